@@ -1,0 +1,76 @@
+"""Paged KV pool: per layer, K and V as flat slot arrays [num_pages * page_size, kv_heads, head_dim].
+
+A request's page table lists its pages; position l of the request lives in slot
+page_table[l // page_size] * page_size + l % page_size.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from ..models.config import ModelConfig
+from .allocator import OutOfPages, PageAllocator
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+          "g": 2**30, "gb": 2**30, "gib": 2**30}
+
+
+def total_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse_memory(spec: str | float | int) -> int:
+    """'2GiB', '512MB', '1e9' → bytes; a number in (0, 1] → that fraction of total RAM."""
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        value, unit = float(spec), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(spec))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"--kv-cache-memory: cannot parse {spec!r}; use e.g. '2GiB', '512MB' or a fraction like 0.2")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    if value <= 0:
+        raise ValueError(f"--kv-cache-memory must be positive, got {spec!r}")
+    if unit == "" and value <= 1.0:
+        return int(value * total_memory_bytes())
+    return int(value * _UNITS[unit])
+
+
+class KVPool:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype) -> None:
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        slots = num_pages * page_size
+        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def pages_for_budget(cfg: ModelConfig, budget_bytes: int, page_size: int, dtype: torch.dtype) -> int:
+        per_page = cfg.kv_bytes_per_token * page_size * torch.finfo(dtype).bits // 8
+        return budget_bytes // per_page
+
+    @property
+    def num_slots(self) -> int:
+        return self.allocator.num_pages * self.page_size
+
+    def ensure(self, page_table: list[int], num_tokens: int) -> None:
+        """Grow `page_table` in place to hold `num_tokens` positions. Raises OutOfPages (nothing allocated)."""
+        need = -(-num_tokens // self.page_size) - len(page_table)
+        if need > 0:
+            page_table.extend(self.allocator.alloc(need))
+
+    def pages_needed(self, page_table: list[int], num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - len(page_table))
+
+    def slots(self, page_table: list[int], start: int, end: int) -> list[int]:
+        ps = self.page_size
+        return [page_table[p // ps] * ps + p % ps for p in range(start, end)]
+
+    def release(self, page_table: list[int]) -> None:
+        self.allocator.free(page_table)
+        page_table.clear()
+
+
+__all__ = ["KVPool", "OutOfPages", "parse_memory"]

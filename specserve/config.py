@@ -1,0 +1,123 @@
+"""One config tree: `EngineConfig` feeds the CLI flags (--kebab-case), the environment
+(SPECSERVE_UPPER_SNAKE) and the offline API (`LLM(**snake_case)`). Precedence: explicit > env > default."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+SPEC_ALGORITHMS = ("NGRAM", "STANDALONE", "SYNTHETIC")
+_ALGO_ALIASES = {"PROMPT_LOOKUP": "NGRAM", "DRAFT_MODEL": "STANDALONE"}
+ACCEPT_RULES = ("auto", "greedy", "sample", "onehot", "block")
+
+
+def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:  # noqa: A002
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = _f("smollm2-135m", "model: an HF checkpoint dir, a .gguf file, or an alias (smollm2-135m)")
+    dtype: str = _f("auto", "weights/activations dtype (auto = float32 on CPU, bfloat16 on CUDA)",
+                    ("auto", "float32", "bfloat16", "float64"))
+    device: str = _f("auto", "torch device: auto, cpu, cuda")
+    kv_cache_memory: str = _f("1GiB", "KV pool budget: a size (2GiB, 512MB) or a fraction of RAM (0.2)")
+    page_size: int = _f(16, "tokens per KV page")
+    max_model_len: int | None = _f(None, "max prompt + output tokens (default: the model's context)")
+    max_prefill_tokens: int = _f(2048, "prefill tokens per step (longer prompts are chunked)")
+    max_running_requests: int = _f(64, "max requests decoding at once")
+    seed: int = _f(0, "engine seed; unseeded requests draw their seeds from it")
+    num_threads: int | None = _f(None, "torch intra-op threads (default: torch's choice)")
+    speculative_algorithm: str | None = _f(None, "drafter: NGRAM, STANDALONE, SYNTHETIC (tests/benchmarks only)")
+    speculative_draft_model_path: str | None = _f(None, "draft model for STANDALONE (same tokenizer as the target)")
+    speculative_num_draft_tokens: int = _f(4, "draft tokens proposed per request per step (K)")
+    speculative_accept: str = _f("auto", "acceptance rule at temperature > 0 (greedy always at 0)", ACCEPT_RULES)
+    speculative_ngram_min_match: int = _f(1, "NGRAM: shortest suffix to match")
+    speculative_ngram_max_match: int = _f(4, "NGRAM: longest suffix to match")
+    speculative_synthetic_accept_rate: float = _f(0.7, "SYNTHETIC: probability each drafted token is the target's")
+    speculative_draft_dtype: str | None = _f(None, "dtype of the draft model (default: the target's)")
+
+    def __post_init__(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is not None:
+            algo = _ALGO_ALIASES.get(algo.upper(), algo.upper())
+            if algo not in SPEC_ALGORITHMS:
+                raise ValueError(f"--speculative-algorithm: unknown {self.speculative_algorithm!r}; "
+                                 f"choose one of {', '.join(SPEC_ALGORITHMS)}")
+            object.__setattr__(self, "speculative_algorithm", algo)
+        for f in dataclasses.fields(self):
+            ch = f.metadata.get("choices")
+            if ch and getattr(self, f.name) is not None and getattr(self, f.name) not in ch:
+                raise ValueError(f"--{flag(f.name)}: {getattr(self, f.name)!r} is not one of {', '.join(ch)}")
+        for name in ("page_size", "max_prefill_tokens", "max_running_requests", "speculative_ngram_min_match"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.speculative_num_draft_tokens <= 64:
+            raise ValueError(f"--speculative-num-draft-tokens must be in [0, 64], got {self.speculative_num_draft_tokens}")
+        if self.speculative_ngram_max_match < self.speculative_ngram_min_match:
+            raise ValueError("--speculative-ngram-max-match must be >= --speculative-ngram-min-match")
+        if not 0.0 <= self.speculative_synthetic_accept_rate <= 1.0:
+            raise ValueError("--speculative-synthetic-accept-rate must be in [0, 1]")
+        if self.speculative_algorithm == "STANDALONE" and not self.speculative_draft_model_path:
+            raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+
+    @classmethod
+    def from_sources(cls, explicit: dict[str, Any] | None = None, environ: typing.Mapping[str, str] | None = None) -> "EngineConfig":
+        """Merge explicit values over SPECSERVE_* environment variables over defaults."""
+        environ = os.environ if environ is None else environ
+        explicit = dict(explicit or {})
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(explicit) - set(names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        for name, f in names.items():
+            env = environ.get(env_name(name))
+            if name in explicit and explicit[name] is not None:
+                values[name] = explicit[name]
+            elif env is not None:
+                values[name] = _parse(env, f, source=env_name(name))
+        return cls(**values)
+
+
+def flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return "SPECSERVE_" + name.upper()
+
+
+def _base_type(f: dataclasses.Field) -> type:
+    t = typing.get_type_hints(EngineConfig)[f.name]
+    if isinstance(t, types.UnionType):
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return t
+
+
+def _parse(text: str, f: dataclasses.Field, source: str) -> Any:
+    t = _base_type(f)
+    try:
+        return t(text)
+    except ValueError:
+        raise ValueError(f"{source}: expected {t.__name__}, got {text!r}") from None
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add every EngineConfig field as --kebab-case (default None so env/defaults apply later)."""
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        parser.add_argument(f"--{flag(f.name)}", dest=f.name, type=_base_type(f), default=None,
+                            choices=f.metadata.get("choices"),
+                            help=f"{f.metadata['help']} [env {env_name(f.name)}; default {f.default}]")
+
+
+def config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
+    explicit = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    explicit["model"] = model
+    return EngineConfig.from_sources(explicit)

@@ -1,0 +1,227 @@
+"""Shared nouns of the engine: sampling parameters, requests, proposals, acceptance results, stats."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI / vLLM names). `validate()` raises ValueError naming the field."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1  # -1 or 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt + output
+    presence_penalty: float = 0.0  # OpenAI style, over output
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # None = off; k ≥ 0 = logprob of the chosen token plus top-k alternatives
+    response_format: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        # Accept a single string or lists from callers; store tuples (hashable, frozen).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def bad(field_: str, msg: str) -> None:
+            raise ValueError(f"{field_}: {msg}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
+            bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", f"must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                bad(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.n, int) or not (1 <= self.n <= 64):
+            bad("n", f"must be an integer in [1, 64], got {self.n!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= 20)):
+            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "every stop string must be a non-empty string")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad("stop_token_ids", f"token id {t!r} out of range [0, {vocab_size})")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            bad("response_format", "structured output (json_object / json_schema) is not supported yet")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # top-N alternatives (token id, logprob), best first
+
+
+@dataclass
+class Request:
+    """One sequence. NOTE: committed_len counts tokens whose KV is final in the target pool;
+    tokens [committed_len, len(all_ids)) are known but their KV is not (the last token, always)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None  # None for greedy: greedy rows draw no random numbers
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
+    committed_len: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    stop_text: str | None = None  # the output text, cut before the stop string that matched
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    # speculative stats (acceptance length = 1 + accepted_tokens / spec_verify_ct, bonus included)
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens whose KV must exist before decoding: the prompt, or after a preemption everything
+        but the last token (which the next decode step feeds)."""
+        return self.seq_len - 1 if self.output_ids else len(self.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.committed_len < self.prefill_target
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for a decode batch, ragged: request b proposes len(tokens[b]) ≥ 0 tokens.
+
+    q[b]: [len, V] draft distributions the tokens were *sampled* from, or None for deterministic
+    (argmax / lookup) drafts, which are verified as one-hot. confidence[b]: optional per-token scores.
+    """
+
+    tokens: list[list[int]]
+    q: list[torch.Tensor | None] | None = None
+    confidence: list[torch.Tensor | None] | None = None
+    parents: list[list[int] | None] | None = None  # tree drafts (adaptive verification issue)
+
+    @staticmethod
+    def empty(batch_size: int) -> "Proposal":
+        return Proposal(tokens=[[] for _ in range(batch_size)])
+
+
+@dataclass
+class AcceptResult:
+    """Per request: accepted draft count and the emitted tokens (accepted drafts + one bonus/correction)."""
+
+    num_accepted: int
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # e.g. NaN in this request's logits: fail it alone
+
+
+@dataclass
+class SpecStats:
+    """Engine-wide counters, named as vLLM names them."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_tokens_per_pos) < num_draft:
+            self.accepted_tokens_per_pos += [0] * (num_draft - len(self.accepted_tokens_per_pos))
+        for i in range(num_accepted):
+            self.accepted_tokens_per_pos[i] += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verify forward, bonus included: 1 + accepted / drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
+class Completion:
+    """One generated sample of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    meta_info: dict[str, Any]
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """Result for one prompt; `outputs` holds its n samples. text/token_ids/... mirror outputs[0]."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+
+    text = property(lambda self: self.outputs[0].text)
+    token_ids = property(lambda self: self.outputs[0].token_ids)
+    finish_reason = property(lambda self: self.outputs[0].finish_reason)
+    logprobs = property(lambda self: self.outputs[0].logprobs)
+    meta_info = property(lambda self: self.outputs[0].meta_info)
+    error = property(lambda self: self.outputs[0].error)

@@ -1,0 +1,140 @@
+"""STANDALONE: a smaller model with the same tokenizer drafts K tokens autoregressively, with its
+own KV pool (sized from its own geometry) and its own page tables.
+
+Draft-side state per request: `done` = positions whose draft KV is valid. Propose catches up on
+tokens the draft has not seen (the last token, accepted drafts beyond what it wrote, the bonus),
+then feeds its own drafts one by one. Commit truncates `done` to what the target accepted.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..cache.kv_pool import KVPool, OutOfPages
+from ..core import Proposal, Request
+from ..engine.runner import ModelRunner
+from ..engine.sampling import sample, target_logits
+from .base import Drafter, register_drafter
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+    from ..models.llama import LlamaModel
+
+
+@dataclass
+class _DraftState:
+    page_table: list[int] = field(default_factory=list)
+    done: int = 0  # draft KV valid for positions [0, done)
+    written: int = 0  # positions written in the last propose (some may be rejected)
+    base: int = 0  # seq_len at the last propose
+
+
+class StandaloneDrafter(Drafter):
+    label = "STANDALONE"
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.kv: KVPool = runner.kv
+        self.greedy_draft = os.environ.get("SPECSERVE_GREEDY_DRAFT", "0") == "1"
+        self.state: dict[str, _DraftState] = {}
+        self.supplies_q = not self.greedy_draft
+
+    def _st(self, req: Request) -> _DraftState:
+        return self.state.setdefault(req.request_id, _DraftState())
+
+    def prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
+        todo = []
+        for req, start, n in chunks:
+            st = self._st(req)
+            if st.done != start:
+                continue  # out of step (e.g. after a draft OOM): propose catches up lazily
+            try:
+                self.kv.ensure(st.page_table, start + n)
+            except OutOfPages:
+                continue
+            todo.append((req, st, start, n))
+        if todo:
+            self.runner.forward([s.page_table for _, s, _, _ in todo], [st for *_, st, _ in todo],
+                                [r.all_ids[s : s + n] for r, _, s, n in todo], [[] for _ in todo])
+            for _, st, start, n in todo:
+                st.done = start + n
+
+    def _choose(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
+        """Draft token from one row of draft logits, processed as the target will process its row."""
+        x = target_logits(logits[None], req.params, req.prompt_ids, req.output_ids + drafts, [])[0]
+        if req.params.greedy or self.greedy_draft:
+            return int(x.argmax()), None  # deterministic: verified one-hot
+        q = torch.softmax(x.float(), dim=-1)
+        return sample(q, req.generator), q
+
+    def _draft_token(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
+        return self._choose(req, logits, drafts)
+
+    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+        B = len(reqs)
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        active = []
+        for b, (req, w) in enumerate(zip(reqs, window)):
+            st = self._st(req)
+            if w <= 0:
+                continue
+            try:
+                self.kv.ensure(st.page_table, req.seq_len + w - 1)
+            except OutOfPages:
+                continue  # no draft memory: this request decodes plainly this step
+            st.base, active = req.seq_len, active + [b]
+        pending = {b: reqs[b].all_ids[self.state[reqs[b].request_id].done :] for b in active}
+        while active:
+            sts = [self.state[reqs[b].request_id] for b in active]
+            logits, _ = self.runner.forward([s.page_table for s in sts], [s.done for s in sts],
+                                            [pending[b] for b in active], [[len(pending[b]) - 1] for b in active])
+            still = []
+            for b, st, row in zip(active, sts, logits):
+                st.done += len(pending[b])
+                tok, q = self._draft_token(reqs[b], row[0], tokens[b])
+                tokens[b].append(tok)
+                if q is not None:
+                    qs[b].append(q)
+                if len(tokens[b]) < window[b]:
+                    pending[b] = [tok]
+                    still.append(b)
+            active = still
+        for b, req in enumerate(reqs):
+            st = self._st(req)
+            st.written = st.done
+        q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]
+        return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None)
+
+    def commit(self, reqs: list[Request], num_accepted: list[int]) -> None:
+        for req, n in zip(reqs, num_accepted):
+            st = self.state.get(req.request_id)
+            if st is not None and st.base:
+                # valid: everything before the last token, the last token, and accepted drafts d_1..d_n
+                st.done = min(st.written, st.base + n)
+                st.base = 0
+
+    def release(self, req: Request) -> None:
+        st = self.state.pop(req.request_id, None)
+        if st is not None:
+            self.kv.release(st.page_table)
+
+
+def build_draft_runner(engine: "Engine", model: "LlamaModel") -> ModelRunner:
+    """A runner with the draft's own KV pool, sized from the draft geometry out of the engine budget."""
+    pages = engine.reserve_draft_kv(model.cfg, model.dtype)
+    return ModelRunner(model, KVPool(model.cfg, pages, engine.config.page_size, model.dtype))
+
+
+@register_drafter("STANDALONE")
+def _make(engine: "Engine") -> Drafter:
+    from ..models import build_model
+
+    c = engine.config
+    dtype = engine.dtype if c.speculative_draft_dtype is None else engine.resolve_dtype(c.speculative_draft_dtype)
+    model, tok = build_model(c.speculative_draft_model_path, dtype)
+    engine.check_same_vocab(tok, model.cfg)
+    return StandaloneDrafter(build_draft_runner(engine, model))

@@ -1,0 +1,43 @@
+"""SYNTHETIC — for tests and benchmarks only. Drafts with the target's own weights (argmax, in a
+separate KV pool) and replaces each drafted token by a random other token with probability
+1 − rate, so at temperature 0 each draft position is accepted with probability `rate` (given its
+predecessors were). Drafting costs a full target forward per token: its speed numbers measure
+verification at a controlled acceptance, never a real drafter. Every output it touches says so.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..core import Request
+from .base import Drafter, register_drafter
+from .standalone import StandaloneDrafter, build_draft_runner
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+
+
+class SyntheticDrafter(StandaloneDrafter):
+    label = "SYNTHETIC (test/benchmark only: target self-draft with injected errors)"
+    supplies_q = False
+
+    def __init__(self, runner, rate: float, seed: int) -> None:  # noqa: ANN001
+        super().__init__(runner)
+        self.rate = rate
+        self.supplies_q = False
+        self.rng = torch.Generator().manual_seed(seed)
+        self.vocab = runner.model.cfg.vocab_size
+
+    def _draft_token(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, None]:
+        tok = int(logits.argmax())
+        if torch.rand((), generator=self.rng).item() >= self.rate:
+            shift = int(torch.randint(1, self.vocab, (), generator=self.rng))
+            tok = (tok + shift) % self.vocab  # any token but the argmax
+        return tok, None
+
+
+@register_drafter("SYNTHETIC")
+def _make(engine: "Engine") -> Drafter:
+    c = engine.config
+    return SyntheticDrafter(build_draft_runner(engine, engine.model), c.speculative_synthetic_accept_rate, c.seed)

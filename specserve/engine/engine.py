@@ -1,0 +1,212 @@
+"""The engine: owns the target, its KV pool, the scheduler and the drafter, and runs the step.
+
+    step():
+        batch = scheduler.schedule()                       # admit, chunk prefills, pick decodes
+        prefill(batch.prefills)                            # target forward; drafter builds its state
+        proposal = drafter.propose(decodes, window)        # DRAFT
+        logits = verify(runner, decodes, proposal)         # VERIFY: one target forward
+        results = [accept_request(...)]                    # ACCEPT: a rule per request
+        commit(...); emit(...)                             # COMMIT caches; scan stops token by token
+Plain decoding is the same step with an empty proposal (window 0).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+
+import torch
+
+from ..cache.kv_pool import KVPool, parse_memory
+from ..config import EngineConfig
+from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status
+from ..drafters.base import Drafter, create_drafter
+from ..models import LlamaModel, build_model
+from ..models.config import ModelConfig
+from ..spec.rules import accept_request
+from ..spec.verify import verify, verify_mode
+from .output import Emitter
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+log = logging.getLogger("specserve")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer=None) -> None:  # noqa: ANN001
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if model is None:
+            model, tokenizer = build_model(config.model, self.resolve_dtype(config.dtype))
+        self.model, self.tokenizer, self.dtype = model, tokenizer, model.dtype
+        mcfg: ModelConfig = model.cfg
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self._kv_budget = parse_memory(config.kv_cache_memory)
+        self.drafter: Drafter | None = None
+        if config.speculative_algorithm:
+            self.drafter = create_drafter(config.speculative_algorithm, self)
+            if config.speculative_accept == "block" and not self.drafter.supplies_q:
+                raise ValueError(
+                    f"--speculative-accept block needs draft distributions q, but {config.speculative_algorithm} "
+                    "drafts are deterministic (one-hot); use auto/onehot, or a model drafter without SPECSERVE_GREEDY_DRAFT=1")
+        pages = KVPool.pages_for_budget(mcfg, self._kv_budget, config.page_size, self.dtype)
+        if pages < 1:
+            raise ValueError(f"--kv-cache-memory {config.kv_cache_memory!r} is too small for one KV page of this model")
+        self.kv = KVPool(mcfg, pages, config.page_size, self.dtype)
+        self.runner = ModelRunner(model, self.kv)
+        self.num_draft_tokens = config.speculative_num_draft_tokens if self.drafter else 0
+        self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests, self.num_draft_tokens)
+        self.scheduler.on_release = self.drafter.release if self.drafter else None
+        self.eos_ids = set(mcfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.emitter = Emitter(tokenizer, self.eos_ids, self.max_model_len)
+        self.stats = SpecStats()
+        self.verify_mode = verify_mode()
+        self._seed_rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self.requests: dict[str, Request] = {}
+
+    # ---- setup helpers used by drafters ----
+    @staticmethod
+    def resolve_dtype(name: str) -> torch.dtype:
+        return torch.float32 if name == "auto" else _DTYPES[name]
+
+    def reserve_draft_kv(self, draft_cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """Split the KV budget so both pools hold the same number of tokens; returns draft pages.
+        NOTE: runs before the target pool is sized, so the target only gets what is left."""
+        t = self.model.cfg.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
+        d = draft_cfg.kv_bytes_per_token * torch.finfo(dtype).bits // 8
+        draft_bytes = self._kv_budget * d // (t + d)
+        self._kv_budget -= draft_bytes
+        return max(1, KVPool.pages_for_budget(draft_cfg, draft_bytes, self.config.page_size, dtype))
+
+    def check_same_vocab(self, draft_tok, draft_cfg: ModelConfig) -> None:  # noqa: ANN001
+        t_tok, t_cfg = self.tokenizer, self.model.cfg
+        if draft_cfg.vocab_size != t_cfg.vocab_size:
+            raise ValueError(f"draft model vocabulary differs: target logits have {t_cfg.vocab_size} entries, "
+                             f"draft {draft_cfg.vocab_size}; STANDALONE needs the same tokenizer")
+        if t_tok is not None and draft_tok is not None:
+            n = min(t_tok.vocab_size, draft_tok.vocab_size)
+            for i in range(n):
+                if t_tok.id_to_piece(i) != draft_tok.id_to_piece(i):
+                    raise ValueError(f"draft tokenizer differs from the target's at id {i}: "
+                                     f"{t_tok.id_to_piece(i)!r} vs {draft_tok.id_to_piece(i)!r}")
+            if t_tok.vocab_size != draft_tok.vocab_size:
+                raise ValueError(f"draft tokenizer has {draft_tok.vocab_size} tokens, target {t_tok.vocab_size}")
+
+    # ---- requests ----
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        params.validate(self.model.cfg.vocab_size)
+        if not prompt_ids:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.model.cfg.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {self.model.cfg.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens leave no room to generate in the context of "
+                             f"{self.max_model_len} tokens (--max-model-len)")
+        if self.kv.pages_needed([], len(prompt_ids) + 1) > self.kv.allocator.num_pages:
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens do not fit the KV pool "
+                             f"({self.kv.num_slots} slots); raise --kv-cache-memory")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already running")
+        gen = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            gen = torch.Generator().manual_seed(seed)
+        req = Request(rid, list(prompt_ids), params, generator=gen)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self._finish(req, "abort")
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----
+    def step(self) -> list[Request]:
+        """One engine iteration; returns the requests that produced tokens or finished in it."""
+        batch = self.scheduler.schedule()
+        touched: list[Request] = []
+        if batch.prefills:
+            touched += self._prefill(batch.prefills)
+        if batch.decodes:
+            touched += self._decode(batch.decodes)
+        return touched
+
+    def _prefill(self, chunks: list[tuple[Request, int]]) -> list[Request]:
+        starts = [r.committed_len for r, _ in chunks]
+        sample_first = [r.committed_len + n == r.prefill_target and not r.output_ids for r, n in chunks]
+        logits, _ = self.runner.forward(
+            [r.page_table for r, _ in chunks], starts, [r.all_ids[s : s + n] for (r, n), s in zip(chunks, starts)],
+            [[n - 1] if f else [] for (_, n), f in zip(chunks, sample_first)])
+        for r, n in chunks:
+            r.committed_len += n
+        if self.drafter:
+            self.drafter.prefill([(r, s, n) for (r, n), s in zip(chunks, starts)])
+        out = []
+        for (r, _), f, row in zip(chunks, sample_first, logits):
+            if f:  # first token: the same accept path with an empty draft
+                self._apply(r, accept_request(r, row, [], None, self.config.speculative_accept), row, 0)
+                out.append(r)
+        return out
+
+    def _window(self, r: Request) -> int:
+        room = len(r.page_table) * self.kv.page_size - r.seq_len  # pages the scheduler reserved
+        left = min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.seq_len) - 1
+        return max(0, min(self.num_draft_tokens, room, left))
+
+    def _decode(self, reqs: list[Request]) -> list[Request]:
+        window = [self._window(r) for r in reqs]
+        proposal = self.drafter.propose(reqs, window) if self.drafter and any(window) else Proposal.empty(len(reqs))
+        drafts = [d[:w] for d, w in zip(proposal.tokens, window)]
+        qs = proposal.q or [None] * len(reqs)
+        logits = verify(self.runner, reqs, Proposal(tokens=drafts), self.verify_mode)
+        accepted = []
+        for r, raw, d, q in zip(reqs, logits, drafts, qs):
+            res = accept_request(r, raw, d, None if q is None else q[: len(d)], self.config.speculative_accept)
+            if res.error is None:
+                r.committed_len += res.num_accepted + 1  # COMMIT: KV of last + accepted drafts is final
+            accepted.append(self._apply(r, res, raw, len(d)))
+        if self.drafter:
+            self.drafter.commit(reqs, accepted)
+        return reqs
+
+    def _apply(self, r: Request, res: AcceptResult, raw: torch.Tensor, num_draft: int) -> int:
+        """Emit res.tokens through the token-by-token stop scan; count only what was emitted."""
+        if res.error is not None:
+            r.error = res.error
+            self._finish(r, "error")
+            return 0
+        now = time.perf_counter()
+        if r.first_token_time is None:
+            r.first_token_time = now
+        emitted, reason = self.emitter.emit(r, res.tokens, raw)
+        n_acc = min(res.num_accepted, emitted)
+        if num_draft:
+            r.spec_verify_ct += 1
+            r.spec_draft_tokens += num_draft
+            r.spec_accepted_tokens += n_acc
+            if len(r.spec_accepted_per_pos) < num_draft:
+                r.spec_accepted_per_pos += [0] * (num_draft - len(r.spec_accepted_per_pos))
+            for i in range(n_acc):
+                r.spec_accepted_per_pos[i] += 1
+            self.stats.record(num_draft, n_acc)
+        if reason is not None:
+            self._finish(r, reason)
+        return n_acc
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.status, r.finish_reason, r.finish_time = Status.FINISHED, reason, time.perf_counter()
+        self.scheduler.finish(r)
+        self.emitter.forget(r.request_id)
+        if self.drafter:
+            self.drafter.release(r)
+        self.requests.pop(r.request_id, None)

@@ -1,0 +1,47 @@
+"""Model runner: turns (page table, start position, new tokens) per request into one packed forward.
+
+Used for the target and for model drafters alike; each owns its model and its own KV pool.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..cache.kv_pool import KVPool
+from ..models.forward_batch import build_forward_batch
+from ..models.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVPool) -> None:
+        self.model, self.kv = model, kv
+
+    def _slots(self, page_table: list[int], start: int, end: int) -> list[int]:
+        ps = self.kv.page_size
+        pt = torch.tensor(page_table, dtype=torch.long)
+        idx = torch.arange(start, end)
+        return (pt[idx // ps] * ps + idx % ps).tolist()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        page_tables: list[list[int]],
+        starts: list[int],
+        tokens: list[list[int]],
+        logits_offsets: list[list[int]],
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Write KV for tokens[b] at positions starts[b].. and return, per request, the logits
+        [len(logits_offsets[b]), V] at those offsets into tokens[b] (logits are computed only there).
+        NOTE: the caller has ensured page_tables cover starts[b] + len(tokens[b]) positions."""
+        slot_lists, ctx_lists, logits_index = [], [], []
+        base = 0
+        for pt, s, toks, offs in zip(page_tables, starts, tokens, logits_offsets):
+            ctx = self._slots(pt, 0, s + len(toks))
+            ctx_lists.append(ctx)
+            slot_lists.append(ctx[s:])
+            logits_index.extend(base + o for o in offs)
+            base += len(toks)
+        fb = build_forward_batch(tokens, starts, slot_lists, ctx_lists, logits_index)
+        hidden, captured = self.model(fb, self.kv.k, self.kv.v, capture_layers)
+        logits = self.model.compute_logits(hidden) if len(logits_index) else hidden.new_zeros(0, 0)
+        return list(logits.split([len(o) for o in logits_offsets])), captured

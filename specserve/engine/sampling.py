@@ -1,0 +1,74 @@
+"""Logits processors and sampling, shared by plain decoding, verification and model drafters.
+
+Order (as vLLM): penalties on raw logits → temperature → min_p → top_k → top_p.
+NOTE: a verify window's row i is processed with prefix `output_ids + drafts[:i]`, exactly the prefix
+plain decoding would see at that position; that is what makes penalties lossless under speculation.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core import SamplingParams, TokenLogprob
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], drafts: list[int]
+) -> torch.Tensor:
+    """logits [n, V]; row i sees output `output_ids + drafts[:i]` (n ≤ len(drafts) + 1)."""
+    n, V = logits.shape
+    counts = torch.zeros(n, V, dtype=logits.dtype)
+    if output_ids:
+        counts += torch.bincount(torch.tensor(output_ids), minlength=V).to(logits.dtype)
+    for i, d in enumerate(drafts[: n - 1]):
+        counts[i + 1 :, d] += 1  # cumulative: later rows have seen earlier drafts
+    out = logits
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        if prompt_ids:
+            seen[:, torch.tensor(prompt_ids)] = True
+        rp = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+    if params.frequency_penalty or params.presence_penalty:
+        out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def apply_truncation(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then min_p / top_k / top_p masks (-inf). For temperature > 0 only."""
+    x = logits / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if params.top_k > 0 and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
+        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= params.top_p  # keep the token crossing top_p
+        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted), float("-inf"))
+    return x
+
+
+def target_logits(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], drafts: list[int]
+) -> torch.Tensor:
+    """Processed logits rows: greedy requests take argmax of these; others softmax them into p."""
+    x = apply_penalties(logits, params, prompt_ids, output_ids, drafts) if params.needs_penalties else logits
+    return x if params.greedy else apply_truncation(x, params)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from a [V] distribution with the request's own generator."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def token_logprobs(raw_logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
+    """Logprobs of the raw model distribution (before penalties/temperature, as vLLM reports them)."""
+    lp = torch.log_softmax(raw_logits[: len(tokens)].double(), dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if top_n > 0:
+        vals, ids = torch.topk(lp, top_n, dim=-1)
+        tops = [list(zip(i.tolist(), v.tolist())) for i, v in zip(ids, vals)]
+    return [TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops)]

@@ -1,0 +1,120 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step: every running request past prefill decodes (its page table grown to hold its
+verify window); then prefill chunks fill `max_prefill_tokens`, partial prefills first, then new
+requests while fewer than `max_running_requests` run. Out of pages → the newest request is
+preempted (its pages return; it recomputes later); a new request waits.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..cache.kv_pool import KVPool, OutOfPages
+from ..core import Request, Status
+
+
+@dataclass
+class Batch:
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this chunk)
+    decodes: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, kv: KVPool, max_prefill_tokens: int, max_running_requests: int, lookahead: int) -> None:
+        self.kv = kv
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_running = max_running_requests
+        self.lookahead = lookahead  # draft tokens a verify window may add beyond the last token
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.on_release: Callable[[Request], None] | None = None  # drafter state of a preempted request
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        for q in (self.running, self.waiting):
+            for r in q:
+                if r.request_id == request_id:
+                    q.remove(r)
+                    self.release(r)
+                    return r
+        return None
+
+    def release(self, req: Request) -> None:
+        """Return a request's pages; called at finish, abort and preemption."""
+        self.kv.release(req.page_table)
+        req.committed_len = 0
+
+    def finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.release(req)
+
+    def _preempt_newest(self, keep: Request) -> bool:
+        victims = [r for r in self.running if r is not keep]
+        if not victims:
+            return False
+        victim = victims[-1]
+        self.running.remove(victim)
+        self.release(victim)
+        if self.on_release:
+            self.on_release(victim)
+        victim.status = Status.WAITING
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return True
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        for req in list(self.running):
+            if req.in_prefill or req not in self.running:
+                continue
+            while True:
+                try:
+                    self.kv.ensure(req.page_table, req.seq_len + self.lookahead)
+                    batch.decodes.append(req)
+                    break
+                except OutOfPages:
+                    if not self._preempt_newest(keep=req):
+                        break  # alone and still short: only the lookahead is short; see below
+            if req not in batch.decodes and req in self.running:
+                try:  # decode without a verify window rather than stall
+                    self.kv.ensure(req.page_table, req.seq_len)
+                    batch.decodes.append(req)
+                except OutOfPages:
+                    pass
+        batch.decodes = [r for r in batch.decodes if r in self.running]
+        budget = self.max_prefill_tokens
+        for req in [r for r in self.running if r.in_prefill]:
+            budget -= self._try_prefill(req, budget, batch)
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            used = self._try_prefill(req, budget, batch)
+            if used == 0:
+                break  # no pages: wait for running requests to finish
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            budget -= used
+        return batch
+
+    def _try_prefill(self, req: Request, budget: int, batch: Batch) -> int:
+        n = min(req.prefill_target - req.committed_len, budget)
+        if n <= 0:
+            return 0
+        try:
+            self.kv.ensure(req.page_table, req.committed_len + n)
+        except OutOfPages:
+            return 0
+        batch.prefills.append((req, n))
+        return n

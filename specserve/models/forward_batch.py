@@ -1,0 +1,76 @@
+"""Tensors describing one packed forward over many requests (prefill chunks or verify windows).
+
+Tokens of all requests are packed along one axis (T tokens) through the linear layers. Attention
+scatters them into a [B, q_max] rectangle, writes their K/V into the paged pool at `slot_mapping`
+and reads each request's context back through `ctx_slots` (its page table, expanded to slots).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64, packed tokens of all requests
+    positions: torch.Tensor  # [T] int64, absolute position of each token in its request
+    slot_mapping: torch.Tensor  # [T] int64, KV pool slot each token's K/V is written to
+    q_index: torch.Tensor  # [B, q_max] int64, packed index of the token at (request, offset); pad → 0
+    q_valid: torch.Tensor  # [B, q_max] bool
+    ctx_slots: torch.Tensor  # [B, L] int64, KV slot of context position l of request b; pad → 0
+    attn_mask: torch.Tensor  # [B, 1, q_max, L] bool, True = may attend
+    logits_index: torch.Tensor | None  # [N] packed indices that need logits; None = all tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_forward_batch(
+    token_lists: list[list[int]],
+    start_positions: list[int],
+    slot_lists: list[list[int]],
+    ctx_slot_lists: list[list[int]],
+    logits_index: list[int] | None,
+) -> ForwardBatch:
+    """Build a ForwardBatch.
+
+    token_lists[b]: new tokens of request b, at positions start_positions[b] + i.
+    slot_lists[b]: KV slots for those tokens. ctx_slot_lists[b]: slots of positions
+    0 .. start+len-1 (the whole context including the new tokens, which are written first).
+    NOTE: every query row attends at least to itself, so no softmax row is empty (no NaN).
+    """
+    B = len(token_lists)
+    q_lens = [len(t) for t in token_lists]
+    q_max = max(q_lens)
+    L = max(len(c) for c in ctx_slot_lists)
+    ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long)
+    pos = torch.tensor(
+        [s + i for s, ts in zip(start_positions, token_lists) for i in range(len(ts))], dtype=torch.long
+    )
+    slots = torch.tensor([s for ss in slot_lists for s in ss], dtype=torch.long)
+    offs = torch.arange(q_max)
+    qlen_t = torch.tensor(q_lens)
+    starts_packed = torch.cumsum(qlen_t, 0) - qlen_t
+    q_valid = offs[None, :] < qlen_t[:, None]
+    q_index = torch.where(q_valid, starts_packed[:, None] + offs[None, :], torch.zeros((), dtype=torch.long))
+    ctx = torch.zeros(B, L, dtype=torch.long)
+    for b, c in enumerate(ctx_slot_lists):
+        ctx[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+    start_t = torch.tensor(start_positions)
+    q_pos = start_t[:, None] + offs[None, :]  # [B, q_max]
+    kv_pos = torch.arange(L)
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # causal over absolute positions
+    mask &= q_valid[:, :, None]
+    mask[:, :, 0] |= ~q_valid  # padded rows attend to slot 0 only: finite, discarded
+    return ForwardBatch(
+        input_ids=ids,
+        positions=pos,
+        slot_mapping=slots,
+        q_index=q_index,
+        q_valid=q_valid,
+        ctx_slots=ctx,
+        attn_mask=mask[:, None],
+        logits_index=None if logits_index is None else torch.tensor(logits_index, dtype=torch.long),
+    )

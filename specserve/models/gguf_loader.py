@@ -1,0 +1,189 @@
+"""Load a GGUF checkpoint into HF-named, dequantized torch tensors plus our ModelConfig and Tokenizer."""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+from .registry import normalize_architecture
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+# GGUF per-layer leaf name → HF leaf name (under model.layers.{i}.).
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Tensors llama.cpp writes that carry no HF parameter (handled via config instead).
+_SKIP = {"rope_freqs.weight"}
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF parameter name for a GGUF tensor name, or None if we don't know it."""
+    m = _BLK.match(gguf_name)
+    if m:
+        leaf = _LAYER_NAMES.get(m.group(2))
+        return None if leaf is None else f"model.layers.{m.group(1)}.{leaf}.{m.group(3)}"
+    stem, _, kind = gguf_name.rpartition(".")
+    base = _GLOBAL_NAMES.get(stem)
+    return None if base is None else f"{base}.{kind}"
+
+
+def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of convert_hf_to_gguf's `permute` for llama q/k.
+
+    The converter reorders each head's rows from HF's rotate-half layout (first half | second half)
+    to interleaved pairs: reshape(n_head, 2, d/2, ...).swapaxes(1, 2). Undo by viewing the rows as
+    (n_head, d/2, 2) and swapping back.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _rope_scaling(reader: Any, arch: str, freqs: np.ndarray | None, head_dim: int,
+                  theta: float) -> dict[str, Any] | None:
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if kind in ("linear", "yarn") and factor:
+        out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        if orig:
+            out["original_max_position_embeddings"] = int(orig)
+        return out
+    if kind not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope scaling type {kind!r} (supported: linear, yarn, llama3)")
+    if freqs is not None:
+        return _llama3_from_freqs(freqs, head_dim, theta)
+    return None
+
+
+def _llama3_from_freqs(freqs: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
+    """llama.cpp stores Llama-3.x rope scaling only as a `rope_freqs` tensor of per-dim divisors.
+
+    Recover the HF `llama3` rope_scaling dict by assuming Meta's published low/high factors and
+    original context, and refusing if recomputing the divisors from them does not reproduce the tensor.
+    """
+    factor = float(freqs.max())
+    cand = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    inv = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    lo_wl, hi_wl = 8192 / 1.0, 8192 / 4.0
+    want = []
+    for f in inv:
+        wl = 2 * math.pi / f
+        if wl < hi_wl:
+            want.append(1.0)
+        elif wl > lo_wl:
+            want.append(factor)
+        else:
+            s = (8192 / wl - 1.0) / (4.0 - 1.0)
+            want.append(1 / ((1 - s) / factor + s))
+    if len(want) != freqs.size or not np.allclose(freqs.astype(np.float64), want, rtol=1e-3):
+        raise ValueError("GGUF has a rope_freqs tensor that does not match llama3 rope scaling; unsupported")
+    return cand
+
+
+def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]],
+                rope_freqs: np.ndarray | None = None) -> ModelConfig:
+    """ModelConfig from GGUF metadata. `tensor_shapes` are HF-order shapes keyed by GGUF name."""
+    arch_raw = _field(reader, "general.architecture")
+    arch = normalize_architecture(str(arch_raw))
+    g = lambda k, d=None: _field(reader, f"{arch_raw}.{k}", d)  # noqa: E731
+    hidden = int(g("embedding_length"))
+    heads = int(g("attention.head_count"))
+    kv = g("attention.head_count_kv", heads)
+    if isinstance(kv, list):  # per-layer list in some files; we only do uniform GQA
+        if len(set(kv)) != 1:
+            raise ValueError(f"per-layer head_count_kv {kv} is not supported")
+        kv = kv[0]
+    head_dim = int(g("attention.key_length") or hidden // heads)
+    rot = g("rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise ValueError(f"partial rotary embeddings (rope.dimension_count={rot}, head_dim={head_dim}) unsupported")
+    theta = float(g("rope.freq_base", 10000.0))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    emb = tensor_shapes.get("token_embd.weight")
+    # The embedding row count is what the model needs; token lists are normally the same length.
+    vocab = emb[0] if emb else len(tokens)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(kv),
+        head_dim=head_dim,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(reader, str(arch_raw), rope_freqs, head_dim, theta),
+        max_position_embeddings=int(g("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+        attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
+        bos_token_id=int(bos) if bos is not None else None,
+        name=str(_field(reader, "general.name") or ""),
+    )
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Read a GGUF file: config, HF-named dequantized weights (cast to `dtype`), tokenizer."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    reader = GGUFReader(str(path))  # memory-maps the file; tensors are read lazily below
+    # Fail fast, before any work, on quant types we don't dequantize.
+    bad = sorted({t.tensor_type.name for t in reader.tensors} - set(_SUPPORTED_QTYPES))
+    if bad:
+        raise ValueError(f"{path.name}: unsupported GGUF tensor type(s) {', '.join(bad)}; "
+                         f"supported: {', '.join(_SUPPORTED_QTYPES)}")
+    shapes = {t.name: tuple(int(s) for s in reversed(t.shape.tolist())) for t in reader.tensors}
+    freqs = next((np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+                  for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    cfg = read_config(reader, shapes, freqs)
+    tokenizer = Tokenizer.from_gguf(reader)
+    # llama.cpp only permutes q/k for the llama family (incl. mistral/smollm); qwen keeps HF layout.
+    permuted = cfg.architecture == "llama"
+
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name in _SKIP:
+            continue
+        name = hf_name(t.name)
+        if name is None:
+            raise ValueError(f"{path.name}: unexpected GGUF tensor {t.name!r} for architecture {cfg.architecture}")
+        arr = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(shapes[t.name]), dtype=np.float32)
+        if not arr.flags.writeable:  # F32 comes back as a view of the read-only mmap: own a copy
+            arr = arr.copy()
+        w = torch.from_numpy(arr)
+        if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            n = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+            w = unpermute_rotary(w, n)
+        weights[name] = w.to(dtype).contiguous()
+        del arr, w
+    cfg = replace(cfg, eos_token_ids=tokenizer.eos_token_ids)
+    log.info("loaded GGUF %s: %d tensors, %s", path.name, len(weights), cfg.architecture)
+    return cfg, weights, tokenizer

@@ -1,0 +1,150 @@
+"""Llama-family decoder (Llama/SmolLM, Qwen2 with qkv bias, Qwen3 with q/k norm) over a paged KV pool.
+
+One module for all three: the differences are config switches. Projections are fused at load time
+(q|k|v and gate|up) so a layer is two matmuls into attention and two through the MLP.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .forward_batch import ForwardBatch
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with llama3 scaling when the config asks for it (as HF computes them)."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return inv
+    if kind == "linear":
+        return inv / rs["factor"]
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+    factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+    old_ctx = rs.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+    return torch.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, hd]; cos/sin [T, 1, hd]. Non-interleaved (rotate-half) layout, as HF."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.nq, self.nkv, self.hd, self.eps = cfg.num_heads, cfg.num_kv_heads, hd, cfg.rms_norm_eps
+        qkv_out = (self.nq + 2 * self.nkv) * hd
+        e = lambda *s: nn.Parameter(torch.empty(*s, dtype=dtype), requires_grad=False)  # noqa: E731
+        self.input_norm = e(h)
+        self.qkv_w = e(qkv_out, h)
+        self.qkv_b = e(qkv_out) if cfg.attention_bias else None
+        self.q_norm = e(hd) if cfg.qk_norm else None
+        self.k_norm = e(hd) if cfg.qk_norm else None
+        self.o_w = e(h, self.nq * hd)
+        self.post_norm = e(h)
+        self.gate_up_w = e(2 * cfg.intermediate_size, h)
+        self.down_w = e(h, cfg.intermediate_size)
+
+    def forward(
+        self, x: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        h = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        qkv = F.linear(h, self.qkv_w, self.qkv_b)
+        q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q, k, v = q.view(T, self.nq, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q = F.rms_norm(q, (self.hd,), self.q_norm, self.eps)
+            k = F.rms_norm(k, (self.hd,), self.k_norm, self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # NOTE: new K/V land in the pool first; the context read below includes them.
+        k_cache.index_copy_(0, fb.slot_mapping, k)
+        v_cache.index_copy_(0, fb.slot_mapping, v)
+        qp = q[fb.q_index].transpose(1, 2)  # [B, H, q_max, hd]
+        kc = k_cache[fb.ctx_slots].transpose(1, 2)  # [B, KVH, L, hd]
+        vc = v_cache[fb.ctx_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=fb.attn_mask, enable_gqa=self.nq != self.nkv)
+        o = o.transpose(1, 2)[fb.q_valid].reshape(T, self.nq * self.hd)  # back to packed order
+        x = x + F.linear(o, self.o_w)
+        h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
+        gate, up = F.linear(h, self.gate_up_w).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_w)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        max_pos = cfg.max_position_embeddings
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
+
+    @torch.no_grad()
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights, fusing q|k|v and gate|up. Missing tensors raise KeyError naming them."""
+        cast = lambda name: sd[name].to(self.dtype)  # noqa: E731
+        self.embed.copy_(cast("model.embed_tokens.weight"))
+        self.norm.copy_(cast("model.norm.weight"))
+        if not self.cfg.tie_word_embeddings:
+            self.lm_head.copy_(cast("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            layer.input_norm.copy_(cast(p + "input_layernorm.weight"))
+            layer.post_norm.copy_(cast(p + "post_attention_layernorm.weight"))
+            layer.qkv_w.copy_(torch.cat([cast(a + f"{n}_proj.weight") for n in "qkv"]))
+            if layer.qkv_b is not None:
+                layer.qkv_b.copy_(torch.cat([cast(a + f"{n}_proj.bias") for n in "qkv"]))
+            if layer.q_norm is not None:
+                layer.q_norm.copy_(cast(a + "q_norm.weight"))
+                layer.k_norm.copy_(cast(a + "k_norm.weight"))
+            layer.o_w.copy_(cast(a + "o_proj.weight"))
+            m = p + "mlp."
+            layer.gate_up_w.copy_(torch.cat([cast(m + "gate_proj.weight"), cast(m + "up_proj.weight")]))
+            layer.down_w.copy_(cast(m + "down_proj.weight"))
+
+    @torch.no_grad()
+    def forward(
+        self, fb: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run the decoder. Returns (final-normed hidden at fb.logits_index (all if None),
+        [hidden after each layer in capture_layers, packed [T, H]])."""
+        x = F.embedding(fb.input_ids, self.embed)
+        cos = self.cos_table[fb.positions].unsqueeze(1)
+        sin = self.sin_table[fb.positions].unsqueeze(1)
+        captured: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, fb, cos, sin, k_caches[i], v_caches[i])
+            if i in capture_layers:
+                captured.append(x)
+        if fb.logits_index is not None:
+            x = x[fb.logits_index]
+        return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps), captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in fp32 (or fp64 for fp64 models): sampling math never runs in bf16."""
+        logits = F.linear(hidden, self.lm_head)
+        return logits if logits.dtype == torch.float64 else logits.float()

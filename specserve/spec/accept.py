@@ -1,0 +1,90 @@
+"""Lossless acceptance rules, one pure function each (one request's chain per call).
+
+Inputs, for a chain of k drafts x_1..x_k verified by one target forward:
+  p      [k+1, V]  target distributions after all logits processors; row i is the distribution
+                   for the token after x_1..x_i (row k is the bonus position).
+  q      [k, V]    the draft distributions x_i was *sampled* from (sample / block rules only).
+  gen    the request's own torch.Generator (per-request seeds).
+Each returns (n, y): n accepted drafts, then y, the correction (n < k) or bonus (n == k) token.
+The emitted tokens are x_1..x_n, y; acceptance length = n + 1.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engine.sampling import sample
+
+
+def accept_greedy(logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
+    """Temperature 0: p_i is one-hot at a_i = argmax. Accept while x_i == a_i; emit a_{n+1}.
+    Draws no random numbers."""
+    a = logits.argmax(dim=-1).tolist()
+    n = 0
+    while n < len(draft) and draft[n] == a[n]:
+        n += 1
+    return n, a[n]
+
+
+def accept_onehot(p: torch.Tensor, draft: list[int], gen: torch.Generator | None) -> tuple[int, int]:
+    """Deterministic drafts (argmax, n-gram): q_i = δ(x_i), so accept with min(1, p_i(x_i)/1) and on
+    rejection sample the residual p_i restricted to y ≠ x_i. Equivalent and simpler ("sample and
+    match"): draw y_i ~ p_i; accept while y_i == x_i; the first mismatch is already a sample of the
+    residual, and with every draft accepted y_{k+1} ~ p_{k+1} is the bonus."""
+    for i in range(len(draft) + 1):
+        y = sample(p[i], gen)
+        if i == len(draft) or y != draft[i]:
+            return i, y
+    raise AssertionError("unreachable")
+
+
+def _residual_sample(p_row: torch.Tensor, q_row: torch.Tensor, gen: torch.Generator | None) -> int:
+    """y ~ max(p − q, 0) normalised; if p == q (no residual mass) sample p itself."""
+    r = torch.clamp(p_row - q_row, min=0)
+    return sample(r if r.sum() > 0 else p_row, gen)
+
+
+def accept_sample(p: torch.Tensor, q: torch.Tensor, draft: list[int], gen: torch.Generator | None) -> tuple[int, int]:
+    """Leviathan/Chen: accept x_i with prob min(1, p_i(x_i) / q_i(x_i)); at the first rejection
+    emit y ~ max(p_i − q_i, 0). P(emit x) = min(p, q) + (1 − Σmin(p, q))·r(x) = p(x)."""
+    k = len(draft)
+    for i in range(k):
+        x = draft[i]
+        u = torch.rand((), generator=gen, dtype=torch.float64).item()
+        if u * float(q[i, x]) > float(p[i, x]):  # u > p/q without dividing by a tiny q
+            return i, _residual_sample(p[i], q[i], gen)
+    return k, sample(p[k], gen)
+
+
+def accept_block(p: torch.Tensor, q: torch.Tensor, draft: list[int], gen: torch.Generator | None) -> tuple[int, int]:
+    """Block verification (Sun et al., ICLR 2025): judge prefixes by their joint ratio.
+
+    w_0 = 1, w_i = min(w_{i−1} · p_i(x_i)/q_i(x_i), 1)                   running clipped joint ratio
+    Z_{i+1} = Σ_v max(w_i · p_{i+1}(v) − q_{i+1}(v), 0)                   residual mass after i drafts
+    h_k = w_k;  h_i = Z_{i+1} / (Z_{i+1} + 1 − w_i)  (1 ≤ i < k; 1 if the denominator is 0)
+    τ = the LARGEST i with η_i ≤ h_i (η_i ~ U(0,1)), 0 if none — not the first failure.
+    Emit x_1..x_τ then y ~ max(w_τ · p_{τ+1} − q_{τ+1}, 0)/Z_{τ+1} (τ < k) or y ~ p_{k+1} (τ = k).
+    """
+    k = len(draft)
+    if k == 0:
+        return 0, sample(p[0], gen)
+    pd, qd = p.double(), q.double()
+    w = [1.0]
+    for i in range(k):
+        ratio = float(pd[i, draft[i]]) / max(float(qd[i, draft[i]]), 1e-300)
+        w.append(min(w[-1] * ratio, 1.0))
+    resid = [torch.clamp(w[i] * pd[i] - qd[i], min=0) for i in range(k)]  # resid[i]: after i drafts
+    eta = torch.rand(k, generator=gen, dtype=torch.float64).tolist()
+    tau = 0
+    for i in range(1, k + 1):
+        if i == k:
+            h = w[k]
+        else:
+            z = float(resid[i].sum())
+            den = z + 1.0 - w[i]
+            h = z / den if den > 0 else 1.0
+        if eta[i - 1] <= h:
+            tau = i
+    if tau == k:
+        return k, sample(p[k], gen)
+    r = resid[tau]
+    return tau, sample(r if r.sum() > 0 else pd[tau], gen)

@@ -1,0 +1,39 @@
+"""ACCEPT stage for one request: process the target rows, pick the rule, run it.
+
+Rule per request: temperature 0 → greedy; a deterministic draft (q absent) → onehot;
+a sampled draft → `sample`, or `block` when --speculative-accept block.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core import AcceptResult, Request
+from ..engine.sampling import target_logits
+from .accept import accept_block, accept_greedy, accept_onehot, accept_sample
+
+
+def choose_rule(greedy: bool, has_q: bool, configured: str) -> str:
+    if greedy:
+        return "greedy"
+    if not has_q:
+        return "onehot"
+    return "block" if configured == "block" else ("onehot" if configured == "onehot" else "sample")
+
+
+def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.Tensor | None, configured: str) -> AcceptResult:
+    """raw: target logits [k+1, V] from verify. NaN/Inf fails this request only."""
+    if not bool(torch.isfinite(raw).all()):
+        return AcceptResult(0, [], error="target logits contain NaN/Inf for this request; request failed")
+    x = target_logits(raw, req.params, req.prompt_ids, req.output_ids, draft)
+    rule = choose_rule(req.params.greedy, q is not None, configured)
+    if rule == "greedy":
+        n, y = accept_greedy(x, draft)
+    else:
+        p = torch.softmax(x.double() if x.dtype == torch.float64 else x, dim=-1)
+        if rule == "onehot":
+            n, y = accept_onehot(p, draft, req.generator)
+        elif rule == "sample":
+            n, y = accept_sample(p, q.to(p.dtype), draft, req.generator)
+        else:
+            n, y = accept_block(p, q.to(p.dtype), draft, req.generator)
+    return AcceptResult(n, draft[:n] + [y])

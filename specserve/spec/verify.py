@@ -1,0 +1,38 @@
+"""VERIFY: one target forward over [last token, d_1..d_k] per request, k ragged across the batch.
+
+SPECSERVE_RAGGED_VERIFY_MODE=compact (default) packs the windows back to back, so the linear
+layers see exactly sum(k_b + 1) tokens; `padded` pads every window to the batch's longest (the
+simple rectangle; the pad tokens' K/V land beyond committed_len and are overwritten later).
+Logits are computed only at the k_b + 1 positions each request needs.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..core import Proposal, Request
+from ..engine.runner import ModelRunner
+
+VERIFY_MODES = ("compact", "padded")
+
+
+def verify_mode() -> str:
+    mode = os.environ.get("SPECSERVE_RAGGED_VERIFY_MODE", "compact")
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"SPECSERVE_RAGGED_VERIFY_MODE={mode!r}; choose one of {', '.join(VERIFY_MODES)}")
+    return mode
+
+
+def verify(runner: ModelRunner, reqs: list[Request], proposal: Proposal, mode: str = "compact") -> list[torch.Tensor]:
+    """Returns per request the raw target logits [k_b + 1, V]; row i follows d_1..d_i."""
+    windows = [[r.output_ids[-1]] + d for r, d in zip(reqs, proposal.tokens)]
+    offsets = [list(range(len(w))) for w in windows]
+    if mode == "padded":
+        width = max(len(w) for w in windows)
+        ps = runner.kv.page_size
+        for r, w in zip(reqs, windows):
+            room = len(r.page_table) * ps - r.committed_len  # never write past this request's pages
+            w.extend([w[-1]] * (min(width, room) - len(w)))
+    logits, _ = runner.forward([r.page_table for r in reqs], [r.committed_len for r in reqs], windows, offsets)
+    return logits

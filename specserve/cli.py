@@ -1,0 +1,124 @@
+"""`specserve` command line: generate, chat (interactive). Engine flags come from EngineConfig."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import add_engine_args, config_from_args
+from .core import SamplingParams
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--logprobs", type=int, default=None)
+
+
+def _params(a: argparse.Namespace) -> SamplingParams:
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                        min_p=a.min_p, repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+                        frequency_penalty=a.frequency_penalty, seed=a.sampling_seed, stop=tuple(a.stop),
+                        ignore_eos=a.ignore_eos, n=a.n, logprobs=a.logprobs)
+    try:
+        sp.validate()
+    except ValueError as e:
+        field, _, msg = str(e).partition(": ")
+        raise SystemExit(f"specserve: error: --{field.replace('_', '-')}: {msg}") from None
+    return sp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="Speculative-decoding LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for prompts (arguments or stdin lines)")
+    g.add_argument("model", nargs="?", default=None, help="checkpoint dir, .gguf file or alias (default smollm2-135m)")
+    g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable); default: stdin lines")
+    g.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
+    g.add_argument("--json", action="store_true", help="print one JSON object per result")
+    _sampling_args(g)
+    add_engine_args(g)
+    c = sub.add_parser("chat", help="interactive chat on the terminal")
+    c.add_argument("model", nargs="?", default=None)
+    c.add_argument("--system", default=None, help="system message")
+    _sampling_args(c)
+    add_engine_args(c)
+    return parser
+
+
+def _make_llm(a: argparse.Namespace):  # noqa: ANN202
+    from .engine.llm import LLM
+
+    try:
+        cfg = config_from_args(a, a.model)
+        llm = LLM.__new__(LLM)
+        from .engine.engine import Engine
+
+        llm.config, llm.engine = cfg, Engine(cfg)
+        llm.tokenizer = llm.engine.tokenizer
+        return llm
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"specserve: error: {e}") from None
+
+
+def cmd_generate(a: argparse.Namespace) -> None:
+    prompts = a.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise SystemExit("specserve: error: --prompt: no prompt given (use --prompt or pipe lines on stdin)")
+    sp = _params(a)
+    llm = _make_llm(a)
+    try:
+        if a.chat_template:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp)
+        else:
+            outs = llm.generate(prompts, sp)
+    except ValueError as e:
+        raise SystemExit(f"specserve: error: {e}") from None
+    for p, o in zip(prompts, outs):
+        for c in o.outputs:
+            if a.json:
+                print(json.dumps({"prompt": p, "text": c.text, "token_ids": c.token_ids,
+                                  "finish_reason": c.finish_reason, "meta_info": c.meta_info}))
+            else:
+                print(f"{p}{c.text}" if not a.chat_template else c.text)
+                m = c.meta_info
+                extra = f", accept length {m['spec_accept_length']:.2f}" if "spec_accept_length" in m else ""
+                print(f"[{m['completion_tokens']} tokens, {c.finish_reason}, "
+                      f"{m['completion_tokens'] / max(m['e2e_latency'], 1e-9):.1f} tok/s{extra}]", file=sys.stderr)
+
+
+def cmd_chat(a: argparse.Namespace) -> None:
+    sp = _params(a)
+    llm = _make_llm(a)
+    history: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
+    print("specserve chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        out = llm.chat(history, sp)[0]
+        print(out.text)
+        history.append({"role": "assistant", "content": out.text})
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    {"generate": cmd_generate, "chat": cmd_chat}[a.command](a)
+
+
+if __name__ == "__main__":
+    main()

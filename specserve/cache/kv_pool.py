@@ -27,11 +27,14 @@ def parse_memory(spec: str | float | int) -> int:
         value, unit = float(spec), ""
     else:
         m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(spec))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"--kv-cache-memory: cannot parse {spec!r}; use e.g. '2GiB', '512MB' or a fraction like 0.2")
-        value, unit = float(m.group(1)), m.group(2).lower()
-    if value <= 0:
-        raise ValueError(f"--kv-cache-memory must be positive, got {spec!r}")
+        try:
+            if not m or m.group(2).lower() not in _UNITS:
+                raise ValueError
+            value, unit = float(m.group(1)), m.group(2).lower()
+        except ValueError:  # also a malformed number the loose pattern let through ('1..2GB', '--1')
+            raise ValueError(f"--kv-cache-memory: cannot parse {spec!r}; use e.g. '2GiB', '512MB' or a fraction like 0.2") from None
+    if not 0 < value < float("inf"):  # NaN and inf fail here too
+        raise ValueError(f"--kv-cache-memory must be positive and finite, got {spec!r}")
     if unit == "" and value <= 1.0:
         return int(value * total_memory_bytes())
     return int(value * _UNITS[unit])

@@ -61,7 +61,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests, self.num_draft_tokens)
         self.scheduler.on_release = self.drafter.release if self.drafter else None
         self.eos_ids = set(mcfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
-        self.emitter = Emitter(tokenizer, self.eos_ids, self.max_model_len)
+        # A request can never hold more positions than the pool has slots: stop it there ("length")
+        # instead of letting it wait forever for pages that can never be freed.
+        self.emitter = Emitter(tokenizer, self.eos_ids, min(self.max_model_len, self.kv.num_slots))
         self.stats = SpecStats()
         self.verify_mode = verify_mode()
         self._seed_rng = random.Random(config.seed)

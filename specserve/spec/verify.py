@@ -32,7 +32,8 @@ def verify(runner: ModelRunner, reqs: list[Request], proposal: Proposal, mode: s
         width = max(len(w) for w in windows)
         ps = runner.kv.page_size
         for r, w in zip(reqs, windows):
-            room = len(r.page_table) * ps - r.committed_len  # never write past this request's pages
+            # never write past this request's pages, nor past the model's last position (RoPE table)
+            room = min(len(r.page_table) * ps, runner.model.cfg.max_position_embeddings) - r.committed_len
             w.extend([w[-1]] * (min(width, room) - len(w)))
     logits, _ = runner.forward([r.page_table for r in reqs], [r.committed_len for r in reqs], windows, offsets)
     return logits

@@ -196,13 +196,14 @@ def test_accept_greedy_matches_argmax_and_draws_nothing() -> None:
 V_TOY = 4
 N_ROUNDS = {1: 20000, 2: 24000, 3: 30000}
 TOY = Toy(V_TOY, L=4, seed=2024)
+RULE_SEED = {"sample": 1, "block": 2, "onehot": 3, "onehot_sampled_draft": 4}
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 3])
 @pytest.mark.parametrize("rule", ["sample", "block", "onehot", "onehot_sampled_draft"])
 def test_rule_is_lossless_on_context_dependent_toy(rule: str, gamma: int) -> None:
     n = N_ROUNDS[gamma]
-    seqs, k = run_rounds(TOY, rule, gamma, n, seed=1000 * gamma + hash(rule) % 997)
+    seqs, k = run_rounds(TOY, rule, gamma, n, seed=1000 * gamma + RULE_SEED[rule])
     exact = TOY.exact_joint(gamma + 1)
     counts = torch.bincount(encode(seqs, V_TOY), minlength=exact.numel())
     assert float(exact[counts > 0].min()) > 0, "emitted a sequence of target probability 0"
@@ -211,8 +212,9 @@ def test_rule_is_lossless_on_context_dependent_toy(rule: str, gamma: int) -> Non
     print(f"{rule} γ={gamma}: TV={t_rule:.4f} ref={t_ref:.4f} thr={threshold(t_ref):.4f} "
           f"mean accepted={k.double().mean():.3f}")
     assert t_rule <= threshold(t_ref), (rule, gamma, t_rule, t_ref)
-    if gamma > 1:
-        assert (k == gamma).any() and (k < gamma).any()  # both the bonus and correction paths ran
+    assert (k < gamma).any() and (k > 0).any()  # corrections at several positions ran
+    if rule != "onehot":  # (the fixed argmax chain may contain a token the target truncated away)
+        assert (k == gamma).any()  # the bonus path ran
 
 
 @pytest.mark.parametrize("gamma", [2, 3])

@@ -66,3 +66,30 @@ def reference_greedy(model: LlamaModel, prompt: list[int], n: int) -> list[int]:
         ids.append(t)
         out.append(t)
     return out
+
+
+def save_tiny_hf_dir(cfg: ModelConfig, sd: dict[str, torch.Tensor], path) -> str:  # noqa: ANN001
+    """Write an HF-style checkpoint dir (config.json, model.safetensors, a word-level tokenizer.json)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[cfg.architecture]
+    (path / "config.json").write_text(json.dumps({
+        "architectures": [arch], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "eos_token_id": list(cfg.eos_token_ids) or None, "torch_dtype": "float64"}))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
+    vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({}))
+    return str(path)

@@ -1,0 +1,97 @@
+"""STANDALONE drafter on tiny same-vocabulary fp64 models: greedy equality, draft-side commit,
+vocabulary refusal."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+
+from .tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    cfg = tiny_config("llama")
+    out = {"target": save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=1), root / "target")}
+    out["self"] = out["target"]  # draft == target: every draft accepted
+    dcfg = tiny_config("qwen2", layers=1)  # a different, smaller architecture with the same vocab
+    out["small"] = save_tiny_hf_dir(dcfg, tiny_state_dict(dcfg, seed=2), root / "small")
+    other = tiny_config("llama", vocab=50)
+    out["othervocab"] = save_tiny_hf_dir(other, tiny_state_dict(other, seed=3), root / "othervocab")
+    return out
+
+
+def _llm(dirs: dict[str, str], draft: str, k: int, **kw) -> LLM:
+    return LLM(dirs["target"], dtype="float64", speculative_algorithm="STANDALONE",
+               speculative_draft_model_path=dirs[draft], speculative_num_draft_tokens=k, **kw)
+
+
+@pytest.mark.parametrize("draft", ["self", "small"])
+@pytest.mark.parametrize("k", [1, 3, 8, 16])
+def test_standalone_greedy_equals_plain(dirs: dict[str, str], draft: str, k: int) -> None:
+    llm = _llm(dirs, draft, k, page_size=4, max_prefill_tokens=9)
+    g = torch.Generator().manual_seed(k)
+    prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (6,), generator=g)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    target = llm.engine.model
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference_greedy(target, p, 24)
+    if draft == "self":  # the draft is the target: all drafts accepted, except where max_tokens cuts
+        assert all(o.meta_info["spec_accept_length"] > min(k + 1, 24) / 2 for o in outs)
+
+
+def test_standalone_requests_join_midway(dirs: dict[str, str]) -> None:
+    llm = _llm(dirs, "small", 4)
+    eng = llm.engine
+    prompts = [[5, 6, 7], [1] * 17, [3, 9, 27, 81], [2, 4]]
+    reqs = []
+    for p in prompts:  # a new request every two steps
+        reqs.append(eng.add_request(p, SamplingParams(temperature=0, max_tokens=20)))
+        eng.step()
+        eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == reference_greedy(eng.model, p, 20)
+    drafter = eng.drafter
+    assert drafter.state == {} and drafter.kv.allocator.num_free == drafter.kv.allocator.num_pages
+
+
+def test_draft_kv_matches_committed_tokens(dirs: dict[str, str]) -> None:
+    """After each step, the draft's valid KV (positions < done) equals a fresh forward of the tokens."""
+    from specserve.cache.kv_pool import KVPool
+    from specserve.engine.runner import ModelRunner
+
+    llm = _llm(dirs, "small", 5)
+    eng = llm.engine
+    req = eng.add_request([4, 8, 15, 16, 23, 42], SamplingParams(temperature=0, max_tokens=30))
+    d = eng.drafter
+    for _ in range(6):
+        eng.step()
+        st = d.state[req.request_id]
+        ids = req.all_ids[: st.done]
+        kv = KVPool(d.runner.model.cfg, 8, 16, torch.float64)
+        pt: list[int] = []
+        kv.ensure(pt, len(ids))
+        ModelRunner(d.runner.model, kv).forward([pt], [0], [ids], [[]])
+        slots = d.runner._slots(st.page_table, 0, st.done)
+        for layer in range(len(kv.k)):
+            assert torch.allclose(d.kv.k[layer][slots], kv.k[layer][: len(ids)], atol=1e-10)
+            assert torch.allclose(d.kv.v[layer][slots], kv.v[layer][: len(ids)], atol=1e-10)
+
+
+def test_vocab_mismatch_refused(dirs: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="vocabulary differs"):
+        _llm(dirs, "othervocab", 4)
+
+
+def test_block_refused_for_deterministic_drafts(dirs: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="block needs draft distributions"):
+        LLM(dirs["target"], dtype="float64", speculative_algorithm="NGRAM", speculative_accept="block")
+
+
+def test_standalone_needs_path() -> None:
+    with pytest.raises(ValueError, match="--speculative-draft-model-path"):
+        LLM("x", speculative_algorithm="STANDALONE")

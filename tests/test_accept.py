@@ -236,6 +236,61 @@ def test_negative_control_biased_rule_is_detected(gamma: int) -> None:
     assert t_bad > 2 * threshold(t_ref), (t_bad, t_ref)
 
 
+def exact_n_y(rule: str, P: torch.Tensor, Q: torch.Tensor, draft: list[int]) -> torch.Tensor:
+    """Exact law of (n, y) for ONE fixed draft chain, straight from the formulas of ALGORITHMS.md
+    §1.1 / §2.1 (written independently of accept.py). Cell n·V + y."""
+    k, V = len(draft), P.shape[1]
+    law = torch.zeros((k + 1) * V, dtype=torch.float64)
+    if rule == "sample":
+        a = [min(1.0, float(P[i, x]) / float(Q[i, x])) for i, x in enumerate(draft)]
+        stop = [math.prod(a[:i]) * (1 - a[i]) for i in range(k)] + [math.prod(a)]
+        rows = [torch.clamp(P[i] - Q[i], min=0) for i in range(k)]
+    else:
+        w = [1.0]
+        for i, x in enumerate(draft):
+            w.append(min(w[-1] * float(P[i, x]) / float(Q[i, x]), 1.0))
+        rows = [torch.clamp(w[i] * P[i] - Q[i], min=0) for i in range(k)]
+        h = [1.0]  # h_0: stopping at 0 when every later test fails
+        for i in range(1, k + 1):
+            z = float(rows[i].sum()) if i < k else 0.0
+            h.append(w[k] if i == k else (z / (z + 1 - w[i]) if z + 1 - w[i] > 0 else 1.0))
+        stop = [h[i] * math.prod(1 - h[j] for j in range(i + 1, k + 1)) for i in range(k + 1)]
+    rows.append(P[k])
+    for n in range(k + 1):
+        if stop[n] > 0:
+            law[n * V : (n + 1) * V] = stop[n] * rows[n] / rows[n].sum()
+    return law
+
+
+@pytest.mark.parametrize("draft", [[0, 1, 3], [0, 2, 3]])
+@pytest.mark.parametrize("rule", ["sample", "block"])
+def test_stop_position_and_residual_given_a_fixed_draft(rule: str, draft: list[int]) -> None:
+    """Sharper than the joint test for the internals: with the draft chain held fixed, the law of
+    (n accepted, correction/bonus y) must be exactly the formula's — in particular block's residual
+    max(w_τ·p − q, 0) (weighted by the clipped joint ratio), not max(p − q, 0)."""
+    fn = accept_sample if rule == "sample" else accept_block
+    P = torch.tensor([[0.30, 0.40, 0.20, 0.10],
+                      [0.50, 0.35, 0.05, 0.10],
+                      [0.20, 0.20, 0.30, 0.30],
+                      [0.10, 0.20, 0.30, 0.40]], dtype=torch.float64)
+    Q = torch.tensor([[0.50, 0.20, 0.15, 0.15],
+                      [0.10, 0.30, 0.40, 0.20],
+                      [0.40, 0.10, 0.20, 0.30]], dtype=torch.float64)
+    # [0, 1, 3]: ratios 0.6, 7/6, 1 — block: w = 0.6, 0.7, 0.7 and every τ in 0..3 has mass, with
+    # residuals max(w·p − q, 0) that differ from max(p − q, 0); [0, 2, 3]: ratios 0.6, 1/8, 1.
+    exact = exact_n_y(rule, P, Q, draft)
+    law = exact.view(len(draft) + 1, -1).sum(1)
+    assert (law > 0.03).sum() >= (3 if rule == "block" else 2)  # the stop position really varies
+    n = 12000
+    g = torch.Generator().manual_seed(8)
+    cells = [k * 4 + y for k, y in (fn(P, Q, draft, g) for _ in range(n))]
+    counts = torch.bincount(torch.tensor(cells), minlength=exact.numel())
+    assert float(exact[counts > 0].min()) > 0, "an impossible (n, y) outcome occurred"
+    t, ref = tv(counts, exact), reference_tv(exact, n, seed=9)
+    print(f"fixed draft {rule} {draft}: TV={t:.4f} ref={ref:.4f} thr={threshold(ref):.4f}")
+    assert t <= threshold(ref), (rule, t, ref)
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. block ≥ token-wise on the binary toy of ALGORITHMS.md §2.4
 # ---------------------------------------------------------------------------------------------
@@ -254,13 +309,27 @@ def exact_tokenwise_binary(gamma: int) -> Fraction:
     return sum(beta**i for i in range(1, gamma + 1))
 
 
+def exact_mean_accepted(rule: str, P: torch.Tensor, Q: torch.Tensor) -> float:
+    """E[n] by enumerating every draft chain (context-independent toy) with exact_n_y's law."""
+    gamma, V = Q.shape
+    total = 0.0
+    for x in itertools.product(range(V), repeat=gamma):
+        px = math.prod(float(Q[i, t]) for i, t in enumerate(x))
+        law = exact_n_y(rule, P, Q, list(x)).view(gamma + 1, V).sum(1)
+        total += px * float((law * torch.arange(gamma + 1)).sum())
+    return total
+
+
 @pytest.mark.parametrize("gamma", [1, 2, 3, 4])
 def test_block_accepts_more_than_tokenwise_binary_toy(gamma: int) -> None:
-    assert exact_tokenwise_binary(gamma) == EXACT_ACCEPTED[gamma][0]
     p_row = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)
     q_row = torch.tensor([2 / 3, 1 / 3], dtype=torch.float64)
     P = p_row.expand(gamma + 1, 2).contiguous()
     Q = q_row.expand(gamma, 2).contiguous()
+    # the table itself, re-derived: closed form for token-wise, enumeration of the formulas for both
+    assert exact_tokenwise_binary(gamma) == EXACT_ACCEPTED[gamma][0]
+    for rule, exact in zip(("sample", "block"), EXACT_ACCEPTED[gamma]):
+        assert exact_mean_accepted(rule, P, Q) == pytest.approx(float(exact), abs=1e-12)
     n = 10000
     g_draft = torch.Generator().manual_seed(5 + gamma)
     drafts = torch.multinomial(q_row, n * gamma, replacement=True, generator=g_draft).view(n, gamma).tolist()
@@ -282,10 +351,6 @@ def test_block_accepts_more_than_tokenwise_binary_toy(gamma: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # 4. edge cases
 # ---------------------------------------------------------------------------------------------
-
-
-def _pmf(samples: list[int], V: int) -> torch.Tensor:
-    return torch.bincount(torch.tensor(samples), minlength=V).double() / len(samples)
 
 
 def test_residual_zero_when_p_equals_q() -> None:

@@ -17,7 +17,7 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-_SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+_SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 # GGUF per-layer leaf name → HF leaf name (under model.layers.{i}.).
 _LAYER_NAMES = {

@@ -22,9 +22,8 @@ def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any: 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = _f("smollm2-135m", "model: an HF checkpoint dir, a .gguf file, or an alias (smollm2-135m)")
-    dtype: str = _f("auto", "weights/activations dtype (auto = float32 on CPU, bfloat16 on CUDA)",
+    dtype: str = _f("auto", "weights/activations dtype (auto = float32: exact and fastest on CPU here)",
                     ("auto", "float32", "bfloat16", "float64"))
-    device: str = _f("auto", "torch device: auto, cpu, cuda")
     kv_cache_memory: str = _f("1GiB", "KV pool budget: a size (2GiB, 512MB) or a fraction of RAM (0.2)")
     page_size: int = _f(16, "tokens per KV page")
     max_model_len: int | None = _f(None, "max prompt + output tokens (default: the model's context)")
@@ -80,7 +79,7 @@ class EngineConfig:
             if name in explicit and explicit[name] is not None:
                 values[name] = explicit[name]
             elif env is not None:
-                values[name] = _parse(env, f, source=env_name(name))
+                values[name] = _parse(env, f, source=env_name(name), owner=cls)
         return cls(**values)
 
 
@@ -92,27 +91,28 @@ def env_name(name: str) -> str:
     return "SPECSERVE_" + name.upper()
 
 
-def _base_type(f: dataclasses.Field) -> type:
-    t = typing.get_type_hints(EngineConfig)[f.name]
+def _base_type(f: dataclasses.Field, owner: type | None = None) -> type:
+    t = typing.get_type_hints(owner or EngineConfig)[f.name]
     if isinstance(t, types.UnionType):
         t = next(a for a in typing.get_args(t) if a is not type(None))
     return t
 
 
-def _parse(text: str, f: dataclasses.Field, source: str) -> Any:
-    t = _base_type(f)
+def _parse(text: str, f: dataclasses.Field, source: str, owner: type | None = None) -> Any:
+    t = _base_type(f, owner)
     try:
         return t(text)
     except ValueError:
         raise ValueError(f"{source}: expected {t.__name__}, got {text!r}") from None
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add every EngineConfig field as --kebab-case (default None so env/defaults apply later)."""
-    for f in dataclasses.fields(EngineConfig):
+def add_engine_args(parser: argparse.ArgumentParser, owner: type | None = None) -> None:
+    """Add every field of EngineConfig (or another config dataclass with `from_sources`, e.g. the
+    server's ServerConfig) as --kebab-case (default None so env/defaults apply later)."""
+    for f in dataclasses.fields(owner or EngineConfig):
         if f.name == "model":
             continue
-        parser.add_argument(f"--{flag(f.name)}", dest=f.name, type=_base_type(f), default=None,
+        parser.add_argument(f"--{flag(f.name)}", dest=f.name, type=_base_type(f, owner), default=None,
                             choices=f.metadata.get("choices"),
                             help=f"{f.metadata['help']} [env {env_name(f.name)}; default {f.default}]")
 

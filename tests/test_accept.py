@@ -445,6 +445,32 @@ def test_k0_is_plain_sampling_for_every_rule() -> None:
     assert accept_greedy(torch.log(p), []) == (0, int(p.argmax()))
 
 
+@pytest.mark.parametrize("rule", ["sample", "block"])
+def test_accept_request_keeps_fp32_precision_for_bf16_logits(monkeypatch, rule: str) -> None:  # noqa: ANN001
+    """bf16 target logits (the CUDA default): the rule must see p as a proper ≥fp32 distribution and
+    q exactly as the draft sampled from it (fp32). Rounding q to bf16 before the ratio test, or a
+    bf16 softmax for p (sums to 1 ± ~1e-3), biases the output by ~5e-4 TV per position."""
+    from specserve.core import Request, SamplingParams
+    from specserve.spec import rules
+
+    V = 64
+    g = torch.Generator().manual_seed(0)
+    raw = (torch.randn(3, V, generator=g) * 3).to(torch.bfloat16)
+    q = torch.softmax(raw[:2].float() + 0.5 * torch.randn(2, V, generator=g), -1)  # fp32, as StandaloneDrafter
+    seen = {}
+
+    def spy(p, q_in, draft, gen):  # noqa: ANN001
+        seen.update(p=p, q=q_in)
+        return 0, 0
+
+    monkeypatch.setattr(rules, f"accept_{rule}", spy)
+    req = Request("r", [1, 2], SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(1))
+    rules.accept_request(req, raw, [int(q[0].argmax()), int(q[1].argmax())], q, rule)
+    assert seen["p"].dtype in (torch.float32, torch.float64)
+    assert torch.allclose(seen["p"].double().sum(-1), torch.ones(3, dtype=torch.float64), atol=1e-6)
+    assert torch.equal(seen["q"].double(), q.double())  # not rounded
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. engine level: tiny fp64 model, SYNTHETIC and NGRAM drafters, temperature 1 and top-k/top-p
 # ---------------------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ class ForwardBatch:
     q_index: torch.Tensor  # [B, q_max] int64, packed index of the token at (request, offset); pad → 0
     q_valid: torch.Tensor  # [B, q_max] bool
     ctx_slots: torch.Tensor  # [B, L] int64, KV slot of context position l of request b; pad → 0
-    attn_mask: torch.Tensor  # [B, 1, q_max, L] bool, True = may attend
+    attn_mask: torch.Tensor | None  # [B, 1, q_max, L] bool, True = may attend; None = attend to all
     logits_index: torch.Tensor | None  # [N] packed indices that need logits; None = all tokens
+    uniform_q: int | None = None  # every request has this many new tokens: packed == [B, q] view
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +65,10 @@ def build_forward_batch(
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # causal over absolute positions
     mask &= q_valid[:, :, None]
     mask[:, :, 0] |= ~q_valid  # padded rows attend to slot 0 only: finite, discarded
+    ctx_lens = [len(c) for c in ctx_slot_lists]
+    uniform = q_max if min(q_lens) == q_max else None
+    # decode with equal contexts: every query sees every slot, so SDPA needs no mask at all
+    no_mask = uniform == 1 and min(ctx_lens) == L
     return ForwardBatch(
         input_ids=ids,
         positions=pos,
@@ -71,6 +76,7 @@ def build_forward_batch(
         q_index=q_index,
         q_valid=q_valid,
         ctx_slots=ctx,
-        attn_mask=mask[:, None],
+        attn_mask=None if no_mask else mask[:, None],
         logits_index=None if logits_index is None else torch.tensor(logits_index, dtype=torch.long),
+        uniform_q=uniform,
     )

@@ -75,11 +75,14 @@ class DecoderLayer(nn.Module):
         # NOTE: new K/V land in the pool first; the context read below includes them.
         k_cache.index_copy_(0, fb.slot_mapping, k)
         v_cache.index_copy_(0, fb.slot_mapping, v)
-        qp = q[fb.q_index].transpose(1, 2)  # [B, H, q_max, hd]
+        B = fb.ctx_slots.shape[0]
+        uq = fb.uniform_q
+        qp = (q.view(B, uq, self.nq, self.hd) if uq else q[fb.q_index]).transpose(1, 2)  # [B, H, q_max, hd]
         kc = k_cache[fb.ctx_slots].transpose(1, 2)  # [B, KVH, L, hd]
         vc = v_cache[fb.ctx_slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=fb.attn_mask, enable_gqa=self.nq != self.nkv)
-        o = o.transpose(1, 2)[fb.q_valid].reshape(T, self.nq * self.hd)  # back to packed order
+        o = o.transpose(1, 2)
+        o = (o.reshape(T, -1) if uq else o[fb.q_valid].reshape(T, -1))  # back to packed order
         x = x + F.linear(o, self.o_w)
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
         gate, up = F.linear(h, self.gate_up_w).chunk(2, dim=-1)

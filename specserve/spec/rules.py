@@ -29,7 +29,9 @@ def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.T
     if rule == "greedy":
         n, y = accept_greedy(x, draft)
     else:
-        p = torch.softmax(x.double() if x.dtype == torch.float64 else x, dim=-1)
+        # at least fp32 (ALGORITHMS.md §1.1 note 2): a bf16 softmax does not sum to 1, and q.to(bf16)
+        # would round the fp32 q the draft was sampled from — both bias the ratio test
+        p = torch.softmax(x.double() if x.dtype == torch.float64 else x.float(), dim=-1)
         if rule == "onehot":
             n, y = accept_onehot(p, draft, req.generator)
         elif rule == "sample":

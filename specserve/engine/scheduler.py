@@ -106,6 +106,8 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             budget -= used
+        if batch.empty and self.running and self._preempt_newest(keep=self.running[0]):
+            return self.schedule()  # partial prefills filled the pool: the oldest goes on alone
         return batch
 
     def _try_prefill(self, req: Request, budget: int, batch: Batch) -> int:

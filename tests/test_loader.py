@@ -250,9 +250,16 @@ def test_tiny_llama_gguf_unpermuted(tmp_path: Path) -> None:
 
 
 def test_unsupported_quant_type_refused(tmp_path: Path) -> None:
+    _write_gguf(tmp_path / "mx.gguf", "llama", _tiny_tensors(260, bias=False), qtype="MXFP4")
+    with pytest.raises(ValueError, match="MXFP4.*supported: F32"):
+        load_gguf(tmp_path / "mx.gguf", torch.float32)
+
+
+def test_q5_0_loads(tmp_path: Path) -> None:
+    """Q4_K_M files (the Qwen pair) mix in Q5_0 tensors."""
     _write_gguf(tmp_path / "q5.gguf", "llama", _tiny_tensors(260, bias=False), qtype="Q5_0")
-    with pytest.raises(ValueError, match="Q5_0.*supported: F32"):
-        load_gguf(tmp_path / "q5.gguf", torch.float32)
+    cfg, weights, _ = load_gguf(tmp_path / "q5.gguf", torch.float32)
+    assert weights["model.layers.0.mlp.up_proj.weight"].shape == (64, 32)
 
 
 # ---- (f) errors ----------------------------------------------------------------------------------

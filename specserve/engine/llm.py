@@ -35,17 +35,25 @@ def request_meta(r: Request, engine: Engine) -> dict[str, Any]:
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", **options: Any) -> None:
-        self.config = EngineConfig.from_sources({"model": model, **options})
-        self.engine = Engine(self.config)
+        self._attach(EngineConfig.from_sources({"model": model, **options}), None, None)
+
+    def _attach(self, config: EngineConfig, model: Any, tokenizer: Any) -> None:
+        self.config = config
+        self.engine = Engine(config, model=model, tokenizer=tokenizer)
         self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """Build from a resolved EngineConfig (the CLI and benchmarks)."""
+        self = cls.__new__(cls)
+        self._attach(config, None, None)
+        return self
 
     @classmethod
     def from_model(cls, model: "LlamaModel", tokenizer: Any = None, **options: Any) -> "LLM":  # noqa: F821
         """Wrap an already-built model (tests, notebooks) instead of loading a checkpoint."""
         self = cls.__new__(cls)
-        self.config = EngineConfig.from_sources({"model": model.cfg.name or "in-memory", **options})
-        self.engine = Engine(self.config, model=model, tokenizer=tokenizer)
-        self.tokenizer = tokenizer
+        self._attach(EngineConfig.from_sources({"model": model.cfg.name or "in-memory", **options}), model, tokenizer)
         return self
 
     def _encode(self, prompt: Prompt) -> list[int]:

@@ -1,0 +1,56 @@
+"""Shared pieces of the bench commands: engine flags, prompt loading, run records."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from ..config import add_engine_args
+from .workloads import WORKLOADS, Messages, from_jsonl, load
+
+
+def add_prompt_args(p: argparse.ArgumentParser, default: str = "humaneval") -> None:
+    p.add_argument("model", nargs="?", default=None, help="target (default smollm2-135m)")
+    p.add_argument("--workload", nargs="+", default=[default], help=f"one or more of {', '.join(WORKLOADS)}")
+    p.add_argument("--prompts", default=None, help="JSONL file of prompts instead of --workload")
+    p.add_argument("--prompt-field", default="prompt", help="field of --prompts holding the prompt text")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--output", default=None, help="JSON result path (default bench/results/<cmd>-<time>.json)")
+    add_engine_args(p)
+
+
+def workloads(a: argparse.Namespace) -> dict[str, list[Messages]]:
+    if a.prompts:
+        return {Path(a.prompts).stem: from_jsonl(a.prompts, a.prompt_field)[: a.num_prompts]}
+    return {w: load(w, a.num_prompts) for w in a.workload}
+
+
+def _ver(pkg: str) -> str | None:
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return None
+
+
+def record(cmd: str, a: argparse.Namespace, results: Any, extra: dict[str, Any] | None = None) -> Path:
+    """Write results with the machine, versions, model, drafter and flags that produced them."""
+    import os
+
+    import torch
+
+    out = Path(a.output) if a.output else Path("bench/results") / f"{cmd}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "command": cmd, "args": {k: v for k, v in vars(a).items() if not callable(v)},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "processor": platform.processor()},
+        "versions": {p: _ver(p) for p in ("specserve", "torch", "transformers", "llama-cpp-python")},
+        "results": results, **(extra or {}),
+    }
+    out.write_text(json.dumps(doc, indent=1, default=str))
+    return out

@@ -1,0 +1,51 @@
+"""Benchmark arithmetic on recorded inputs: acceptance length counts the bonus; ITL is per token."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.bench.metrics import acceptance, per_token_itl, percentiles, tpot
+from specserve.bench.workloads import from_jsonl
+
+
+def test_acceptance_length_includes_bonus() -> None:
+    # two requests: 3 verify forwards accepting 2, 0, 4 drafts (K=4); 1 forward accepting 1
+    metas = [
+        {"spec_verify_ct": 3, "spec_accepted_tokens": 6, "spec_draft_tokens": 12, "spec_accepted_per_pos": [2, 2, 1, 1]},
+        {"spec_verify_ct": 1, "spec_accepted_tokens": 1, "spec_draft_tokens": 4, "spec_accepted_per_pos": [1]},
+    ]
+    r = acceptance(metas)
+    assert r["accept_length"] == pytest.approx(1 + 7 / 4)  # tokens per verify forward, bonus included
+    assert r["draft_acceptance_rate"] == pytest.approx(7 / 16)
+    assert r["per_position"] == pytest.approx([3 / 4, 2 / 4, 1 / 4, 1 / 4])
+
+
+def test_acceptance_without_speculation_is_one() -> None:
+    assert acceptance([{"completion_tokens": 5}])["accept_length"] == 1.0
+
+
+def test_itl_is_per_token_not_per_chunk() -> None:
+    # first chunk at 1.0 s with 1 token, then a 3-token chunk 0.3 s later, then 1 token 0.1 s later
+    itl = per_token_itl([1.0, 1.3, 1.4], [1, 3, 1])
+    assert itl == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    assert len(itl) == 4  # one gap per token after the first
+
+
+def test_itl_first_chunk_with_many_tokens() -> None:
+    assert per_token_itl([0.5, 0.7], [2, 2]) == pytest.approx([0.0, 0.1, 0.1])
+
+
+def test_tpot_and_percentiles() -> None:
+    assert tpot(e2e=2.0, ttft=0.5, completion_tokens=4) == pytest.approx(0.5)
+    assert tpot(1.0, 1.0, 1) is None
+    p = percentiles([float(x) for x in range(1, 101)])
+    assert p["p50"] == pytest.approx(50.0, abs=1) and p["p99"] == pytest.approx(99.0, abs=1)
+
+
+def test_jsonl_prompts(tmp_path) -> None:  # noqa: ANN001
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "hello"}) + "\n\n" + json.dumps({"prompt": "bye", "x": 1}) + "\n")
+    assert from_jsonl(str(f), "prompt") == [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "bye"}]]
+    with pytest.raises(ValueError, match="--prompt-field"):
+        from_jsonl(str(f), "question")

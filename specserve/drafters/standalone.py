@@ -134,7 +134,7 @@ def _make(engine: "Engine") -> Drafter:
     from ..models import build_model
 
     c = engine.config
-    dtype = engine.dtype if c.speculative_draft_dtype is None else engine.resolve_dtype(c.speculative_draft_dtype)
-    model, tok = build_model(c.speculative_draft_model_path, dtype)
+    dtype = engine.dtype if c.speculative_draft_dtype is None else engine.resolve_dtype(c.speculative_draft_dtype, c.quantization)
+    model, tok = build_model(c.speculative_draft_model_path, dtype, c.quantization if dtype == torch.bfloat16 else None)
     engine.check_same_vocab(tok, model.cfg)
     return StandaloneDrafter(build_draft_runner(engine, model))

@@ -40,7 +40,8 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if model is None:
-            model, tokenizer = build_model(config.model, self.resolve_dtype(config.dtype))
+            dtype = self.resolve_dtype(config.dtype, config.quantization)
+            model, tokenizer = build_model(config.model, dtype, config.quantization)
         self.model, self.tokenizer, self.dtype = model, tokenizer, model.dtype
         mcfg: ModelConfig = model.cfg
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
@@ -72,8 +73,10 @@ class Engine:
 
     # ---- setup helpers used by drafters ----
     @staticmethod
-    def resolve_dtype(name: str) -> torch.dtype:
-        return torch.float32 if name == "auto" else _DTYPES[name]
+    def resolve_dtype(name: str, quantization: str | None = None) -> torch.dtype:
+        if name == "auto":
+            return torch.bfloat16 if quantization == "int4" else torch.float32
+        return _DTYPES[name]
 
     def reserve_draft_kv(self, draft_cfg: ModelConfig, dtype: torch.dtype) -> int:
         """Split the KV budget so both pools hold the same number of tokens; returns draft pages.

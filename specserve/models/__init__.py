@@ -8,13 +8,17 @@ from .llama import LlamaModel
 from .registry import model_class
 
 
-def build_model(name_or_path: str, dtype: torch.dtype) -> tuple[LlamaModel, "Tokenizer"]:  # noqa: F821
+def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None = None
+                ) -> tuple[LlamaModel, "Tokenizer"]:  # noqa: F821
     """Load a checkpoint (HF dir, .gguf, or alias) into our model class; returns (model, tokenizer)."""
     from .loader import load_checkpoint
 
     cfg, state_dict, tokenizer = load_checkpoint(name_or_path, dtype)
     model = model_class(cfg.architecture)(cfg, dtype)
     model.load_weights(state_dict)
+    del state_dict
+    if quantization == "int4":
+        model.quantize_int4()
     return model, tokenizer
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
+from .quant import Int4Weight, linear
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -65,7 +66,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         h = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv_w, self.qkv_b)
+        qkv = linear(h, self.qkv_w, self.qkv_b)
         q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q, k, v = q.view(T, self.nq, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
         if self.q_norm is not None:
@@ -83,10 +84,10 @@ class DecoderLayer(nn.Module):
         o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=fb.attn_mask, enable_gqa=self.nq != self.nkv)
         o = o.transpose(1, 2)
         o = (o.reshape(T, -1) if uq else o[fb.q_valid].reshape(T, -1))  # back to packed order
-        x = x + F.linear(o, self.o_w)
+        x = x + linear(o, self.o_w)
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
-        gate, up = F.linear(h, self.gate_up_w).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_w)
+        gate, up = linear(h, self.gate_up_w).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_w)
 
 
 class LlamaModel(nn.Module):
@@ -147,7 +148,22 @@ class LlamaModel(nn.Module):
             x = x[fb.logits_index]
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps), captured
 
+    def quantize_int4(self) -> None:
+        """Swap every projection and the LM head for 4-bit weights (see quant.py); bf16 activations."""
+        if self.dtype != torch.bfloat16:
+            raise ValueError("--quantization int4 runs with bfloat16 activations: use --dtype bfloat16 (or auto)")
+        for layer in self.layers:
+            for name in ("qkv_w", "o_w", "gate_up_w", "down_w"):
+                w = getattr(layer, name)
+                if Int4Weight.supported(w):
+                    delattr(layer, name)  # a Parameter slot cannot hold the packed weight
+                    setattr(layer, name, Int4Weight(w))
+        if Int4Weight.supported(self.lm_head):
+            head = Int4Weight(self.lm_head)
+            del self.lm_head  # when tied, only the alias goes: the embedding stays registered
+            self.lm_head = head  # the embedding table stays dense (it is gathered, not multiplied)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 (or fp64 for fp64 models): sampling math never runs in bf16."""
-        logits = F.linear(hidden, self.lm_head)
+        logits = linear(hidden, self.lm_head)
         return logits if logits.dtype == torch.float64 else logits.float()

@@ -49,3 +49,16 @@ def test_jsonl_prompts(tmp_path) -> None:  # noqa: ANN001
     assert from_jsonl(str(f), "prompt") == [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "bye"}]]
     with pytest.raises(ValueError, match="--prompt-field"):
         from_jsonl(str(f), "question")
+
+
+def test_spec_metrics_scrape_parses_prometheus_text() -> None:
+    from specserve.bench.serving import parse_spec_metrics
+
+    text = """# HELP specserve:spec_decode_num_drafts_total Verify passes
+specserve:spec_decode_num_drafts_total{model_name="m"} 10.0
+specserve:spec_decode_num_accepted_tokens_total{model_name="m"} 17.0
+specserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 9.0
+vllm:spec_decode_num_draft_tokens_total{model_name="x"} 4e1
+"""
+    assert parse_spec_metrics(text) == {"spec_decode_num_drafts": 10.0, "spec_decode_num_accepted_tokens": 17.0,
+                                        "spec_decode_num_draft_tokens": 40.0}

@@ -1,22 +1,23 @@
-"""`specserve bench {accept,speed}`: acceptance tables and speed against baselines."""
+"""`specserve bench {accept,speed,serving}`: acceptance tables, speed against baselines, serving load."""
 from __future__ import annotations
 
 import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from . import accept, speed
+    from . import accept, serving, speed
 
     b = sub.add_parser("bench", help="benchmarks: acceptance per workload, speed vs baselines")
     bs = b.add_subparsers(dest="bench_command", required=True)
     accept.add_args(bs.add_parser("accept", help="acceptance-length table per workload"))
     speed.add_args(bs.add_parser("speed", help="tokens/s of plain vs speculative vs HF/llama.cpp"))
+    serving.add_args(bs.add_parser("serving", help="load generator against an OpenAI-compatible server"))
 
 
 def run_bench(a: argparse.Namespace) -> None:
-    from . import accept, speed
+    from . import accept, serving, speed
 
     try:
-        {"accept": accept.run, "speed": speed.run}[a.bench_command](a)
+        {"accept": accept.run, "speed": speed.run, "serving": serving.run}[a.bench_command](a)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specserve: error: {e}") from None

@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, chat (interactive). Engine flags come from EngineConfig."""
+"""`specserve` command line: generate, chat (interactive), serve (HTTP). Engine flags come from EngineConfig."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import sys
 
 from .config import add_engine_args, config_from_args
 from .core import SamplingParams
+from .server.config import add_server_args, server_config_from_args
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
     _sampling_args(c)
     add_engine_args(c)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see docs/server.md)")
+    s.add_argument("model", nargs="?", default=None, help="checkpoint dir, .gguf file or alias (default smollm2-135m)")
+    add_server_args(s)
+    add_engine_args(s)
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -60,13 +68,7 @@ def _make_llm(a: argparse.Namespace):  # noqa: ANN202
     from .engine.llm import LLM
 
     try:
-        cfg = config_from_args(a, a.model)
-        llm = LLM.__new__(LLM)
-        from .engine.engine import Engine
-
-        llm.config, llm.engine = cfg, Engine(cfg)
-        llm.tokenizer = llm.engine.tokenizer
-        return llm
+        return LLM.from_config(config_from_args(a, a.model))
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specserve: error: {e}") from None
 
@@ -115,9 +117,26 @@ def cmd_chat(a: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": out.text})
 
 
+def cmd_serve(a: argparse.Namespace) -> None:
+    from .models.loader import resolve_model_path
+
+    try:  # bad flags and a missing model fail here, before the port opens
+        cfg, scfg = config_from_args(a, a.model), server_config_from_args(a)
+        resolve_model_path(cfg.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"specserve: error: {e}") from None
+    from .server.app import run_server
+
+    raise SystemExit(run_server(cfg, scfg))
+
+
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
-    {"generate": cmd_generate, "chat": cmd_chat}[a.command](a)
+    if a.command == "bench":
+        from .bench import run_bench
+
+        return run_bench(a)
+    {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[a.command](a)
 
 
 if __name__ == "__main__":

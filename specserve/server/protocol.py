@@ -1,0 +1,264 @@
+"""Request bodies of the HTTP API (pydantic) and their mapping onto SamplingParams.
+
+Shapes follow the OpenAI API (and vLLM's extras passed through `extra_body`: top_k, min_p,
+repetition_penalty, stop_token_ids, ignore_eos). Fields we cannot honour yet are refused with a
+400 naming the field, never silently ignored.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
+
+from ..core import SamplingParams
+
+MAX_LOGPROBS = 20
+_SEED_MAX = 2**63 - 1
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow to inf.
+SAMPLING_EPS = 1e-5
+MIN_REPETITION_PENALTY = 0.01  # far below any useful value; smaller ones overflow the logits
+
+
+# Ranges as SamplingParams.validate checks them, so the OpenAPI schema (and the fuzz test built on it)
+# says what is valid; values outside get a 400 naming the field either way.
+MaxTokens = Annotated[int, Field(ge=1)]
+Temperature = Annotated[float, Field(ge=0, le=100)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+TopK = Annotated[int, Field(ge=-1)]
+MinP = Annotated[float, Field(ge=0, le=1)]
+RepPenalty = Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=10)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+Seed = Annotated[int, Field(ge=0, le=_SEED_MAX)]
+TokenId = Annotated[int, Field(ge=0)]
+N = Annotated[int, Field(ge=1, le=64)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Prompt = Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+# Known OpenAI / vLLM fields we cannot honour yet: refused with a 400 unless left neutral, and left
+# out of the schema (it lists what works).
+Hidden = SkipJsonSchema
+
+
+def _temperature(t: float | None) -> float:
+    if t is None:
+        return 1.0
+    return 0.0 if 0.0 <= t < SAMPLING_EPS else t
+
+
+def _check_repetition_penalty(v: float, name: str = "repetition_penalty") -> None:
+    if not MIN_REPETITION_PENALTY <= v <= 10.0:
+        raise RequestError(name, f"must be in [{MIN_REPETITION_PENALTY}, 10], got {v}")
+
+
+class RequestError(ValueError):
+    """A 4xx answer: `param` names the offending field (OpenAI error `param`)."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param, self.status = param, status
+
+
+class _Body(BaseModel):
+    # Unknown fields are accepted (clients send vendor extras) and logged by the route.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # one model per server: accepted, responses report the served name
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    repetition_penalty: RepPenalty = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    seed: Seed | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    n: N = 1
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    logit_bias: Hidden[dict[str, float] | None] = None
+    min_tokens: Hidden[int] = 0
+    include_stop_str_in_output: Hidden[bool] = False
+    skip_special_tokens: Hidden[bool] = True
+    best_of: Hidden[int | None] = None
+    prompt_logprobs: Hidden[int | None] = None
+
+    def _check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options", "only allowed when stream is true")
+        if self.logit_bias:
+            raise RequestError("logit_bias", "not supported")
+        if self.min_tokens:
+            raise RequestError("min_tokens", "not supported")
+        if self.include_stop_str_in_output:
+            raise RequestError("include_stop_str_in_output", "not supported")
+        if not self.skip_special_tokens:
+            raise RequestError("skip_special_tokens", "only true is supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of", "not supported (use n)")
+        if self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs", "not supported")
+        _check_repetition_penalty(self.repetition_penalty)
+        if self.response_format is not None and self.response_format.type != "text":
+            raise RequestError("response_format", f"{self.response_format.type!r} (structured output) is not "
+                               "supported yet; only {'type': 'text'}")
+
+    def _params(self, max_tokens: int | None, default_max: int, logprobs: int | None) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=default_max if max_tokens is None else max_tokens,
+            temperature=_temperature(self.temperature),
+            top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+            stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, n=self.n,
+            logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    echo: bool = False
+    logprobs: NumLogprobs | None = None
+    suffix: Hidden[str | None] = None
+
+    def sampling_params(self, default_max: int) -> SamplingParams:
+        self._check_common()
+        if self.suffix:
+            raise RequestError("suffix", "not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo", "echo with logprobs needs prompt logprobs, which are not supported")
+        return self._params(self.max_tokens, default_max, self.logprobs)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    tools: Hidden[list[dict[str, Any]] | None] = None
+    tool_choice: Hidden[Any] = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self, default_max: int) -> SamplingParams:
+        self._check_common()
+        if self.tools:
+            raise RequestError("tools", "tool calling is not supported")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise RequestError("top_logprobs", "requires logprobs to be true")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise RequestError("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise RequestError("max_completion_tokens", f"must be an integer >= 1, got {self.max_completion_tokens}")
+        lp = (self.top_logprobs or 0) if self.logprobs else None
+        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(mt, default_max, lp)
+
+
+class GenerateSamplingParams(_Body):
+    """SGLang-style `sampling_params` of the native /generate."""
+
+    max_new_tokens: MaxTokens = 128
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    repetition_penalty: RepPenalty = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    seed: Seed | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    n: N = 1
+    ignore_eos: bool = False
+    json_schema: Hidden[str | None] = None
+    regex: Hidden[str | None] = None
+    ebnf: Hidden[str | None] = None
+
+
+class GenerateRequest(_Body):
+    text: Text | Annotated[list[Text], Field(min_length=1)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    return_logprob: bool = False
+    top_logprobs_num: NumLogprobs = 0
+    stream: bool = False
+
+    def params(self) -> SamplingParams:
+        s = self.sampling_params
+        for name in ("json_schema", "regex", "ebnf"):
+            if getattr(s, name) is not None:
+                raise RequestError(f"sampling_params.{name}", "structured output is not supported yet")
+        if not 0 <= self.top_logprobs_num <= MAX_LOGPROBS:
+            raise RequestError("top_logprobs_num", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        _check_repetition_penalty(s.repetition_penalty, "sampling_params.repetition_penalty")
+        stop = (s.stop,) if isinstance(s.stop, str) else tuple(s.stop or ())
+        return SamplingParams(
+            max_tokens=s.max_new_tokens, temperature=_temperature(s.temperature), top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, seed=s.seed, stop=stop, stop_token_ids=tuple(s.stop_token_ids or ()),
+            ignore_eos=s.ignore_eos, n=s.n, logprobs=self.top_logprobs_num if self.return_logprob else None)
+
+
+class TokenizeRequest(_Body):
+    prompt: str | None = None
+    text: str | None = None  # SGLang spelling of `prompt`
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[TokenId]
+
+
+def error_body(message: str, status: int, param: str | None = None, type_: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object."""
+    if type_ is None:
+        type_ = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                 503: "unavailable_error"}.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}

@@ -1,0 +1,132 @@
+"""Native routes: POST /generate (SGLang-style), /tokenize, /detokenize, GET /server_info."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .. import __version__
+from .common import SSE_DONE, SSE_HEADERS, Server, check_api_key, collect, deltas, encode_prompts, expand, render_chat, \
+    server, sse, submit
+from .protocol import DetokenizeRequest, GenerateRequest, RequestError, TokenizeRequest
+from .text import TextStream, finite, token_str
+
+router = APIRouter(dependencies=[Depends(check_api_key)])
+
+
+def _logprob_meta(tok: Any, lps: list) -> dict[str, Any]:
+    """SGLang's (logprob, token_id, text) triples."""
+    return {"output_token_logprobs": [[finite(lp.logprob), lp.token_id, token_str(tok, lp.token_id)] for lp in lps],
+            "output_top_logprobs": [[[finite(v), i, token_str(tok, i)] for i, v in lp.top] for lp in lps]}
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    """{text | input_ids, sampling_params, return_logprob, top_logprobs_num, stream} →
+    {text, output_ids, meta_info} (a list when several prompts or n > 1)."""
+    srv = server(request)
+    tok = srv.ready_engine().tokenizer
+    if (body.text is None) == (body.input_ids is None):
+        raise RequestError("text", "send exactly one of text and input_ids")
+    params = body.params()
+    field = "text" if body.text is not None else "input_ids"
+    prompts = encode_prompts(srv, body.text if body.text is not None else body.input_ids, field)
+    seqs = expand(srv, prompts, params)
+    q, ids = await submit(srv, seqs, "gen")
+    single = len(seqs) == 1 and (isinstance(body.text, str) or (body.input_ids and isinstance(body.input_ids[0], int)))
+    if body.stream:
+        return StreamingResponse(_stream(srv, seqs, q, ids, body.return_logprob), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    outs = await collect(srv, request, q, ids)
+    results = []
+    for (_, sp), o in zip(seqs, outs):
+        ts = TextStream(tok, sp.stop)
+        ts.ids = o["ids"]
+        d = o["delta"]
+        meta = {**d.meta, "finish_reason": d.finish_reason}
+        if body.return_logprob:
+            meta.update(_logprob_meta(tok, o["logprobs"]))
+        results.append({"text": ts.final_text(d.stop_text), "output_ids": o["ids"], "meta_info": meta})
+    return JSONResponse(results[0] if single else results)
+
+
+async def _stream(srv: Server, seqs: list, q: Any, ids: list[str], return_logprob: bool) -> AsyncIterator[str]:
+    """SSE events carry the cumulative text and output_ids of one sequence (SGLang's convention)."""
+    tok = srv.tokenizer
+    streams = [TextStream(tok, sp.stop) for _, sp in seqs]
+    lps: list[list] = [[] for _ in seqs]
+    async for d in deltas(srv, q, ids):
+        ts = streams[d.index]
+        ts.step(d.token_ids, d.finished, d.stop_text)
+        lps[d.index] += d.logprobs
+        if d.finished:
+            if d.finish_reason == "error":
+                yield sse({"error": {"message": d.error, "type": "internal_server_error", "code": 500}})
+                break
+        meta = {**(d.meta or {"prompt_tokens": len(seqs[d.index][0]), "completion_tokens": len(ts.ids)}),
+                "finish_reason": d.finish_reason}
+        if return_logprob:
+            meta.update(_logprob_meta(tok, lps[d.index]))
+        yield sse({"index": d.index, "text": ts.sent, "output_ids": list(ts.ids), "meta_info": meta})
+    yield SSE_DONE
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> Any:
+    srv = server(request)
+    eng = srv.ready_engine()
+    if body.messages is not None:
+        ids = render_chat(srv, body.messages, body.add_generation_prompt)
+    else:
+        text = body.prompt if body.prompt is not None else body.text
+        if text is None:
+            raise RequestError("prompt", "send prompt (or text) or messages")
+        if eng.tokenizer is None:
+            raise RequestError("prompt", "this model has no tokenizer")
+        ids = eng.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> Any:
+    eng = server(request).ready_engine()
+    vocab = eng.model.cfg.vocab_size
+    if any(t < 0 or t >= vocab for t in body.tokens):
+        raise RequestError("tokens", f"token ids must be in [0, {vocab})")
+    if eng.tokenizer is None:
+        raise RequestError("tokens", "this model has no tokenizer")
+    text = eng.tokenizer.decode(body.tokens)
+    return {"prompt": text, "text": text}
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> Any:
+    """The resolved configuration: flags as given, plus what the engine chose (dtype, context, KV pages…)."""
+    srv = server(request)
+    scfg = dataclasses.asdict(srv.server_config)
+    scfg["api_key"] = "***" if scfg["api_key"] else None
+    info: dict[str, Any] = {"version": __version__, "model_name": srv.model_name, "state": srv.engine.state,
+                            "engine_config": dataclasses.asdict(srv.config), "server_config": scfg}
+    eng = srv.engine.engine if srv.engine.ready else None
+    if eng is not None:
+        info["resolved"] = {
+            "dtype": str(eng.dtype).replace("torch.", ""), "device": str(eng.model.embed.device),
+            "max_model_len": eng.max_model_len, "vocab_size": eng.model.cfg.vocab_size,
+            "architecture": eng.model.cfg.architecture, "kv_pages": eng.kv.allocator.num_pages,
+            "page_size": eng.kv.page_size, "kv_slots": eng.kv.num_slots,
+            "max_running_requests": srv.config.max_running_requests,
+            "speculative": None if eng.drafter is None else {
+                "algorithm": srv.config.speculative_algorithm, "drafter": eng.drafter.label,
+                "num_draft_tokens": eng.num_draft_tokens, "accept": srv.config.speculative_accept,
+                "verify_mode": eng.verify_mode, "supplies_q": eng.drafter.supplies_q,
+            },
+        }
+        if srv.engine.load_error is None and eng.drafter is not None:
+            s = eng.stats
+            info["spec_stats"] = {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                                  "num_accepted_tokens": s.num_accepted_tokens,
+                                  "accepted_tokens_per_pos": list(s.accepted_tokens_per_pos),
+                                  "acceptance_length": s.acceptance_length}
+    return JSONResponse(info)

@@ -1,0 +1,158 @@
+"""POST /v1/completions and POST /v1/chat/completions (OpenAI shapes, SSE streaming)."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .common import (SSE_DONE, SSE_HEADERS, Server, check_api_key, collect, deltas, encode_prompts, expand,
+                     render_chat, server, sse, submit, usage)
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .text import TextStream, chat_logprobs, completion_logprobs, stop_reason
+
+log = logging.getLogger("specserve.server")
+router = APIRouter(dependencies=[Depends(check_api_key)])
+
+
+def _warn_extra(body: Any) -> None:
+    if body.model_extra:
+        log.warning("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    srv = server(request)
+    eng = srv.ready_engine()
+    _warn_extra(body)
+    params = body.sampling_params(default_max=16)
+    prompts = encode_prompts(srv, body.prompt)
+    seqs = expand(srv, prompts, params)
+    q, ids = await submit(srv, seqs, "cmpl")
+    rid, created, tok = f"cmpl-{uuid.uuid4().hex}", int(time.time()), eng.tokenizer
+    echo = [tok.decode(p) if body.echo and tok is not None else "" for p, _ in seqs]
+    if body.stream:
+        return StreamingResponse(_stream_completion(srv, body, seqs, prompts, q, ids, rid, created, echo),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    outs = await collect(srv, request, q, ids)
+    choices = []
+    for i, ((_, sp), o) in enumerate(zip(seqs, outs)):
+        ts = TextStream(tok, sp.stop)
+        ts.ids = o["ids"]
+        d = o["delta"]
+        text = ts.final_text(d.stop_text)
+        full = tok.decode(o["ids"]) if tok is not None else ""
+        choices.append({
+            "index": i, "text": echo[i] + text, "finish_reason": d.finish_reason,
+            "logprobs": completion_logprobs(tok, o["logprobs"], len(echo[i])) if sp.logprobs is not None else None,
+            "stop_reason": stop_reason(o["ids"], sp.stop_token_ids, d.stop_text, full, sp.stop),
+        })
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
+                         "choices": choices, "usage": usage(prompts, [o["delta"].meta for o in outs]),
+                         "system_fingerprint": None})
+
+
+async def _stream_completion(srv: Server, body: CompletionRequest, seqs: list, prompts: list, q: Any, ids: list[str],
+                             rid: str, created: int, echo: list[str]) -> AsyncIterator[str]:
+    tok = srv.tokenizer
+    streams = [TextStream(tok, sp.stop) for _, sp in seqs]
+    offsets = [len(e) for e in echo]
+    metas: list[dict] = []
+    extra = {"usage": None} if body.include_usage else {}
+
+    def chunk(i: int, text: str, lps: Any, finish: str | None = None, stop: Any = None) -> str:
+        c = {"index": i, "text": text, "logprobs": lps, "finish_reason": finish, "stop_reason": stop}
+        return sse({"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
+                    "choices": [c], **extra})
+
+    for i, e in enumerate(echo):
+        if e:
+            yield chunk(i, e, None)
+    async for d in deltas(srv, q, ids):
+        i, sp = d.index, seqs[d.index][1]
+        if d.finish_reason == "error":
+            yield sse(error_body(d.error or "engine error", 500))
+            break
+        ts = streams[i]
+        text = ts.step(d.token_ids, d.finished, d.stop_text)
+        lps = None
+        if sp.logprobs is not None and d.logprobs:
+            lps = completion_logprobs(tok, d.logprobs, offsets[i])
+            offsets[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+        if d.finished:
+            metas.append(d.meta)
+            full = tok.decode(ts.ids) if tok is not None else ""
+            yield chunk(i, text, lps, d.finish_reason, stop_reason(ts.ids, sp.stop_token_ids, d.stop_text, full, sp.stop))
+        elif text or lps:
+            yield chunk(i, text, lps)
+    else:
+        if body.include_usage:
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
+                       "choices": [], "usage": usage(prompts, metas)})
+    yield SSE_DONE
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    srv = server(request)
+    eng = srv.ready_engine()
+    _warn_extra(body)
+    params = body.sampling_params(default_max=srv.default_max_tokens())
+    prompt = render_chat(srv, body.messages, body.add_generation_prompt)
+    seqs = expand(srv, [prompt], params)
+    q, ids = await submit(srv, seqs, "chatcmpl")
+    rid, created, tok = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), eng.tokenizer
+    if body.stream:
+        return StreamingResponse(_stream_chat(srv, body, seqs, prompt, q, ids, rid, created),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    outs = await collect(srv, request, q, ids)
+    choices = []
+    for i, ((_, sp), o) in enumerate(zip(seqs, outs)):
+        ts = TextStream(tok, sp.stop)
+        ts.ids = o["ids"]
+        d = o["delta"]
+        choices.append({
+            "index": i, "message": {"role": "assistant", "content": ts.final_text(d.stop_text)},
+            "logprobs": chat_logprobs(tok, o["logprobs"]) if sp.logprobs is not None else None,
+            "finish_reason": d.finish_reason,
+        })
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": srv.model_name,
+                         "choices": choices, "usage": usage([prompt], [o["delta"].meta for o in outs]),
+                         "system_fingerprint": None})
+
+
+async def _stream_chat(srv: Server, body: ChatCompletionRequest, seqs: list, prompt: list[int], q: Any,
+                       ids: list[str], rid: str, created: int) -> AsyncIterator[str]:
+    tok = srv.tokenizer
+    streams = [TextStream(tok, sp.stop) for _, sp in seqs]
+    metas: list[dict] = []
+    extra = {"usage": None} if body.include_usage else {}
+
+    def chunk(i: int, delta: dict, lps: Any = None, finish: str | None = None) -> str:
+        c = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name,
+                    "choices": [c], **extra})
+
+    for i in range(len(seqs)):  # the first delta of every choice carries the role
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for d in deltas(srv, q, ids):
+        i, sp = d.index, seqs[d.index][1]
+        if d.finish_reason == "error":
+            yield sse(error_body(d.error or "engine error", 500))
+            break
+        ts = streams[i]
+        text = ts.step(d.token_ids, d.finished, d.stop_text)
+        lps = chat_logprobs(tok, d.logprobs) if sp.logprobs is not None and d.logprobs else None
+        if d.finished:
+            metas.append(d.meta)
+            yield chunk(i, {"content": text} if text else {}, lps, d.finish_reason)
+        elif text or lps:
+            yield chunk(i, {"content": text}, lps)
+    else:
+        if body.include_usage:
+            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name,
+                       "choices": [], "usage": usage([prompt], metas)})
+    yield SSE_DONE

@@ -1,0 +1,119 @@
+"""Token ids → text for responses: streaming deltas that never leak a stop string, and the two
+logprobs shapes (completions: parallel lists; chat: one object per token, with `bytes`)."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..core import TokenLogprob
+from ..models.tokenizer import IncrementalDetokenizer
+
+
+class TextStream:
+    """One sequence's text, released delta by delta.
+
+    Text that could be the beginning of a stop string is held back until the engine either finishes
+    the sequence (then the final text is cut before the stop string) or the text moves past it.
+    NOTE: the joined deltas equal `final_text` exactly, so streamed and non-streamed text agree.
+    """
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        self.tok = tokenizer
+        self.det = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""  # everything decoded so far
+        self.sent = ""  # the part already released
+
+    def step(self, ids: list[int], finished: bool = False, stop_text: str | None = None) -> str:
+        """Text released by one Delta. NOTE: a finishing Delta must go through `finish` alone: its
+        tokens may complete a stop string that `feed` would no longer hold back."""
+        if finished:
+            self.ids += ids
+            return self.finish(stop_text)
+        return self.feed(ids)
+
+    def feed(self, ids: list[int]) -> str:
+        self.ids += ids
+        if self.det is not None:
+            for t in ids:
+                self.text += self.det.feed(t)
+        end = len(self.text) - self._holdback()
+        if end <= len(self.sent):
+            return ""
+        delta = self.text[len(self.sent) : end]
+        self.sent += delta
+        return delta
+
+    def _holdback(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def final_text(self, stop_text: str | None) -> str:
+        if stop_text is not None:
+            return stop_text
+        return self.tok.decode(self.ids) if self.tok is not None else ""
+
+    def finish(self, stop_text: str | None) -> str:
+        """The rest of the text at the end of the sequence."""
+        final = self.final_text(stop_text)
+        if not final.startswith(self.sent):  # cannot happen with a consistent tokenizer; never resend
+            final = self.sent + (self.det.flush() if self.det is not None else "")
+        delta = final[len(self.sent) :]
+        self.sent = final
+        return delta
+
+
+def finite(x: float) -> float:
+    """JSON has no -inf: an underflowed logprob is reported as -9999.0 (vLLM's convention)."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def token_str(tok: Any, token_id: int) -> str:
+    if tok is None:
+        return f"token_id:{token_id}"
+    return tok.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def completion_logprobs(tok: Any, lps: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """Completions shape: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}."""
+    tokens, offsets = [], []
+    for lp in lps:
+        s = token_str(tok, lp.token_id)
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [finite(lp.logprob) for lp in lps],
+        "top_logprobs": [{token_str(tok, i): finite(v) for i, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tok: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
+    """Chat shape: {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        b = tok.token_bytes(token_id) if tok is not None else b""
+        return {"token": token_str(tok, token_id), "logprob": finite(logprob), "bytes": list(b)}
+
+    return {"content": [{**one(lp.token_id, lp.logprob), "top_logprobs": [one(i, v) for i, v in lp.top]}
+                        for lp in lps]}
+
+
+def stop_reason(ids: list[int], stop_token_ids: tuple[int, ...], stop_text: str | None, full: str,
+                stops: tuple[str, ...]) -> str | int | None:
+    """vLLM's `stop_reason`: the stop string or stop token id that ended the sequence, None for EOS."""
+    if stop_text is not None:
+        rest = full[len(stop_text) :]
+        return next((s for s in stops if rest.startswith(s)), None)
+    if ids and ids[-1] in stop_token_ids:
+        return ids[-1]
+    return None

@@ -40,7 +40,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below 1e-5 the softmax over-/underflows; vLLM treats such temperatures as greedy too
+        return self.temperature < 1e-5
 
     @property
     def needs_penalties(self) -> bool:
@@ -60,8 +61,8 @@ class SamplingParams:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not (0.0 <= self.min_p <= 1.0):
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if not (0.0 < self.repetition_penalty <= 10.0):
-            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        if not (0.01 <= self.repetition_penalty <= 10.0):
+            bad("repetition_penalty", f"must be in [0.01, 10], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2.0 <= getattr(self, name) <= 2.0):
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)!r}")

@@ -27,12 +27,25 @@ class SyntheticDrafter(StandaloneDrafter):
         self.rate = rate
         self.supplies_q = False
         self.rng = torch.Generator().manual_seed(seed)
+        self.rngs: dict[str, torch.Generator] = {}
         self.vocab = runner.model.cfg.vocab_size
+
+    def _rng(self, req: Request) -> torch.Generator:
+        """Per-request error stream: a seeded request must not depend on its batch neighbours."""
+        if req.request_id not in self.rngs:
+            seed = req.params.seed if req.params.seed is not None else int(torch.randint(2**62, (), generator=self.rng))
+            self.rngs[req.request_id] = torch.Generator().manual_seed(seed)
+        return self.rngs[req.request_id]
+
+    def release(self, req: Request) -> None:
+        super().release(req)
+        self.rngs.pop(req.request_id, None)
 
     def _draft_token(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, None]:
         tok = int(logits.argmax())
-        if torch.rand((), generator=self.rng).item() >= self.rate:
-            shift = int(torch.randint(1, self.vocab, (), generator=self.rng))
+        rng = self._rng(req)
+        if torch.rand((), generator=rng).item() >= self.rate:
+            shift = int(torch.randint(1, self.vocab, (), generator=rng))
             tok = (tok + shift) % self.vocab  # any token but the argmax
         return tok, None
 

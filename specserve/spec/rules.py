@@ -32,6 +32,9 @@ def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.T
         # at least fp32 (ALGORITHMS.md §1.1 note 2): a bf16 softmax does not sum to 1, and q.to(bf16)
         # would round the fp32 q the draft was sampled from — both bias the ratio test
         p = torch.softmax(x.double() if x.dtype == torch.float64 else x.float(), dim=-1)
+        if not bool(torch.isfinite(p).all()):
+            return AcceptResult(0, [], error="sampling distribution is NaN/Inf after penalties and temperature; "
+                                             "request failed")
         if rule == "onehot":
             n, y = accept_onehot(p, draft, req.generator)
         elif rule == "sample":

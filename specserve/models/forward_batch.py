@@ -22,6 +22,7 @@ class ForwardBatch:
     attn_mask: torch.Tensor | None  # [B, 1, q_max, L] bool, True = may attend; None = attend to all
     logits_index: torch.Tensor | None  # [N] packed indices that need logits; None = all tokens
     uniform_q: int | None = None  # every request has this many new tokens: packed == [B, q] view
+    ctx_start: int | None = None  # one request whose context is slots [ctx_start, ctx_start + L): slice, no gather
 
     @property
     def num_tokens(self) -> int:
@@ -79,4 +80,5 @@ def build_forward_batch(
         attn_mask=None if no_mask else mask[:, None],
         logits_index=None if logits_index is None else torch.tensor(logits_index, dtype=torch.long),
         uniform_q=uniform,
+        ctx_start=int(ctx[0, 0]) if B == 1 and torch.equal(ctx[0], torch.arange(int(ctx[0, 0]), int(ctx[0, 0]) + L)) else None,
     )

@@ -79,8 +79,12 @@ class DecoderLayer(nn.Module):
         B = fb.ctx_slots.shape[0]
         uq = fb.uniform_q
         qp = (q.view(B, uq, self.nq, self.hd) if uq else q[fb.q_index]).transpose(1, 2)  # [B, H, q_max, hd]
-        kc = k_cache[fb.ctx_slots].transpose(1, 2)  # [B, KVH, L, hd]
-        vc = v_cache[fb.ctx_slots].transpose(1, 2)
+        if fb.ctx_start is not None:  # one request, consecutive pages: a view instead of a copy
+            span = slice(fb.ctx_start, fb.ctx_start + fb.ctx_slots.shape[1])
+            kc, vc = k_cache[span].unsqueeze(0).transpose(1, 2), v_cache[span].unsqueeze(0).transpose(1, 2)
+        else:
+            kc = k_cache[fb.ctx_slots].transpose(1, 2)  # [B, KVH, L, hd]
+            vc = v_cache[fb.ctx_slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=fb.attn_mask, enable_gqa=self.nq != self.nkv)
         o = o.transpose(1, 2)
         o = (o.reshape(T, -1) if uq else o[fb.q_valid].reshape(T, -1))  # back to packed order

@@ -172,6 +172,14 @@ class AcceptResult:
     error: str | None = None  # e.g. NaN in this request's logits: fail it alone
 
 
+def count_per_pos(per_pos: list[int], num_draft: int, num_accepted: int) -> None:
+    """Grow `per_pos` to num_draft positions and count one acceptance at each of the first num_accepted."""
+    if len(per_pos) < num_draft:
+        per_pos += [0] * (num_draft - len(per_pos))
+    for i in range(num_accepted):
+        per_pos[i] += 1
+
+
 @dataclass
 class SpecStats:
     """Engine-wide counters, named as vLLM names them."""
@@ -187,10 +195,7 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_tokens_per_pos) < num_draft:
-            self.accepted_tokens_per_pos += [0] * (num_draft - len(self.accepted_tokens_per_pos))
-        for i in range(num_accepted):
-            self.accepted_tokens_per_pos[i] += 1
+        count_per_pos(self.accepted_tokens_per_pos, num_draft, num_accepted)
 
     @property
     def acceptance_length(self) -> float:

@@ -20,7 +20,7 @@ import torch
 
 from ..cache.kv_pool import KVPool, parse_memory
 from ..config import EngineConfig
-from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status
+from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status, count_per_pos
 from ..drafters.base import Drafter, create_drafter
 from ..models import LlamaModel, build_model
 from ..models.config import ModelConfig
@@ -199,10 +199,7 @@ class Engine:
             r.spec_verify_ct += 1
             r.spec_draft_tokens += num_draft
             r.spec_accepted_tokens += n_acc
-            if len(r.spec_accepted_per_pos) < num_draft:
-                r.spec_accepted_per_pos += [0] * (num_draft - len(r.spec_accepted_per_pos))
-            for i in range(n_acc):
-                r.spec_accepted_per_pos[i] += 1
+            count_per_pos(r.spec_accepted_per_pos, num_draft, n_acc)
             self.stats.record(num_draft, n_acc)
         if reason is not None:
             self._finish(r, reason)

@@ -36,6 +36,8 @@ class EngineConfig:
     speculative_algorithm: str | None = _f(None, "drafter: NGRAM, STANDALONE, SYNTHETIC (tests/benchmarks only)")
     speculative_draft_model_path: str | None = _f(None, "draft model for STANDALONE (same tokenizer as the target)")
     speculative_num_draft_tokens: int = _f(4, "draft tokens proposed per request per step (K)")
+    speculative_window: str = _f("fixed", "window policy: fixed = K for every request; cost = per-request windows "
+                                 "from acceptance so far and a measured verify-cost curve (0 = plain)", ("fixed", "cost"))
     speculative_accept: str = _f("auto", "acceptance rule at temperature > 0 (greedy always at 0)", ACCEPT_RULES)
     speculative_ngram_min_match: int = _f(1, "NGRAM: shortest suffix to match")
     speculative_ngram_max_match: int = _f(4, "NGRAM: longest suffix to match")

@@ -120,6 +120,8 @@ class Request:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_trials: int = 0  # draft positions actually tested (accepted + the rejection, if any)
+    spec_decode_steps: int = 0  # decode steps, with or without drafts (mean window = draft_tokens / steps)
 
     @property
     def all_ids(self) -> list[int]:
@@ -188,6 +190,12 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    window_counts: list[int] = field(default_factory=list)  # decode rows by window size chosen (0 = plain)
+
+    def record_window(self, k: int) -> None:
+        if len(self.window_counts) <= k:
+            self.window_counts += [0] * (k + 1 - len(self.window_counts))
+        self.window_counts[k] += 1
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:

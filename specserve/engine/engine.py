@@ -26,6 +26,7 @@ from ..models import LlamaModel, build_model
 from ..models.config import ModelConfig
 from ..spec.rules import accept_request
 from ..spec.verify import verify, verify_mode
+from ..spec.window import CostModel, cost_windows
 from .output import Emitter
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -67,6 +68,10 @@ class Engine:
         self.emitter = Emitter(tokenizer, self.eos_ids, min(self.max_model_len, self.kv.num_slots))
         self.stats = SpecStats()
         self.verify_mode = verify_mode()
+        self.cost_model: CostModel | None = None
+        if self.drafter and config.speculative_window == "cost":
+            key = "".join(c if c.isalnum() else "_" for c in f"{mcfg.name}-{self.dtype}-{config.quantization}")
+            self.cost_model = CostModel.cached(self.runner, key)
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
@@ -170,6 +175,11 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
         window = [self._window(r) for r in reqs]
+        if self.cost_model is not None:
+            window = cost_windows(reqs, window, self.cost_model)
+        for r, w in zip(reqs, window):
+            r.spec_decode_steps += 1
+            self.stats.record_window(w)
         proposal = self.drafter.propose(reqs, window) if self.drafter and any(window) else Proposal.empty(len(reqs))
         drafts = [d[:w] for d, w in zip(proposal.tokens, window)]
         qs = proposal.q or [None] * len(reqs)
@@ -199,6 +209,7 @@ class Engine:
             r.spec_verify_ct += 1
             r.spec_draft_tokens += num_draft
             r.spec_accepted_tokens += n_acc
+            r.spec_trials += n_acc + (n_acc < num_draft)
             count_per_pos(r.spec_accepted_per_pos, num_draft, n_acc)
             self.stats.record(num_draft, n_acc)
         if reason is not None:

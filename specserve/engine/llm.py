@@ -29,6 +29,7 @@ def request_meta(r: Request, engine: Engine) -> dict[str, Any]:
             spec_accepted_tokens=r.spec_accepted_tokens,
             spec_accept_length=1.0 + r.spec_accepted_tokens / r.spec_verify_ct if r.spec_verify_ct else 1.0,
             spec_accepted_per_pos=list(r.spec_accepted_per_pos),
+            spec_mean_window=r.spec_draft_tokens / r.spec_decode_steps if r.spec_decode_steps else 0.0,
         )
     return meta
 

@@ -1,0 +1,99 @@
+"""Window policy: how many draft tokens each request verifies this step.
+
+`fixed` (default): every request gets K (bounded by its pages, max_tokens and the context).
+`cost`: choose per-request windows k_b that maximise expected emitted tokens per second of verify,
+
+    maximise  Σ_b E_b(k_b) / t(Σ_b (k_b + 1)),    E_b(k) = (1 − α_b^{k+1}) / (1 − α_b)
+
+where α_b is request b's per-position acceptance so far (Beta(1, 1) prior) and t(n) the measured
+time of one target forward over n tokens. Greedy: start every window at 0 and keep adding the
+draft position with the largest marginal gain α_b^{k_b+1} while the ratio improves. A window of 0
+is plain decoding for that request, so the batch is never planned slower than plain decoding
+(draft cost is not modelled: for model drafters it comes on top).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..core import Request
+
+WINDOW_POLICIES = ("fixed", "cost")
+
+
+@dataclass
+class CostModel:
+    """t(n): seconds of one target forward over n packed tokens, piecewise linear between points."""
+
+    points: list[tuple[int, float]]
+
+    def __call__(self, n: int) -> float:
+        pts = self.points
+        if n <= pts[0][0]:
+            return pts[0][1]
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+            if n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
+
+    @staticmethod
+    def measure(runner, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3, ctx: int = 128) -> "CostModel":  # noqa: ANN001
+        """Time forwards of n new tokens over a `ctx`-token context (the median of `repeats`)."""
+        kv = runner.kv
+        pts = []
+        for n in sizes:
+            pt: list[int] = []
+            try:
+                kv.ensure(pt, ctx + n)
+            except Exception:  # noqa: BLE001 - pool too small for this size: stop measuring
+                kv.release(pt)
+                break
+            times = []
+            for _ in range(repeats + 1):  # first run warms up
+                t = time.perf_counter()
+                runner.forward([pt], [ctx], [[0] * n], [list(range(n))])
+                times.append(time.perf_counter() - t)
+            kv.release(pt)
+            pts.append((n, sorted(times[1:])[len(times[1:]) // 2]))
+        return CostModel(pts if len(pts) > 1 else pts + [(pts[0][0] + 1, pts[0][1])])
+
+    @classmethod
+    def cached(cls, runner, key: str, cache_dir: Path | None = None) -> "CostModel":  # noqa: ANN001
+        """Measured once per model/dtype/threads on this machine and cached as JSON."""
+        cache_dir = cache_dir or Path.home() / ".cache" / "specserve" / "cost"
+        path = cache_dir / f"{key}-t{torch.get_num_threads()}.json"
+        if path.exists():
+            return cls([tuple(p) for p in json.loads(path.read_text())])
+        model = cls.measure(runner)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(model.points))
+        return model
+
+
+def acceptance_estimate(r: Request) -> float:
+    """Per-position acceptance: accepted drafts / positions tested (a rejection ends a chain)."""
+    return (r.spec_accepted_tokens + 1) / (r.spec_trials + 2)
+
+
+def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel) -> list[int]:
+    """Greedy maximisation of expected tokens per second of verify (module docstring)."""
+    alphas = [min(acceptance_estimate(r), 0.999) for r in reqs]
+    k = [0] * len(reqs)
+    tokens = float(len(reqs))  # every request emits at least its bonus/correction token
+    n = len(reqs)
+    best = tokens / cost(n)
+    while True:
+        cands = [(alphas[b] ** (k[b] + 1), b) for b in range(len(reqs)) if k[b] < limits[b]]
+        if not cands:
+            return k
+        gain, b = max(cands)
+        ratio = (tokens + gain) / cost(n + 1)
+        if ratio <= best:
+            return k
+        k[b] += 1
+        tokens, n, best = tokens + gain, n + 1, ratio

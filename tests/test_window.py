@@ -1,0 +1,61 @@
+"""Window policy `cost`: the verify-cost curve, the greedy window choice, and losslessness."""
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.core import Request
+from specserve.spec.window import CostModel, cost_windows
+
+from .tiny import reference_greedy, tiny_model
+
+
+def _req(accepted: int, trials: int) -> Request:
+    r = Request("r", [1], SamplingParams())
+    r.spec_accepted_tokens, r.spec_trials = accepted, trials
+    return r
+
+
+def test_cost_model_interpolates_and_extrapolates() -> None:
+    c = CostModel([(1, 1.0), (3, 2.0), (5, 4.0)])
+    assert c(1) == 1.0 and c(2) == 1.5 and c(4) == 3.0 and c(7) == 6.0 and c(0) == 1.0
+
+
+def test_free_verify_takes_full_windows() -> None:
+    flat = CostModel([(1, 1.0), (64, 1.0 + 1e-9)])
+    assert cost_windows([_req(5, 10), _req(0, 0)], [4, 3], flat) == [4, 3]
+
+
+def test_poor_acceptance_and_linear_cost_choose_plain_decoding() -> None:
+    linear = CostModel([(1, 1.0), (64, 64.0)])  # every verified token costs a full step
+    assert cost_windows([_req(0, 50), _req(1, 40)], [4, 4], linear) == [0, 0]
+
+
+def test_cost_windows_never_plan_below_plain() -> None:
+    cost = CostModel([(1, 1.0), (8, 1.5), (32, 6.0)])
+    reqs = [_req(a, 20) for a in (0, 5, 10, 18)]
+    k = cost_windows(reqs, [8] * 4, cost)
+    alphas = [(r.spec_accepted_tokens + 1) / (r.spec_trials + 2) for r in reqs]
+    expected = sum((1 - a ** (kb + 1)) / (1 - a) for a, kb in zip(alphas, k))
+    assert expected / cost(sum(k) + 4) >= 4 / cost(4)
+    assert k[3] >= k[0]  # the request that accepts more gets at least as long a window
+
+
+@pytest.mark.parametrize("algo,rate", [("NGRAM", None), ("SYNTHETIC", 0.9), ("SYNTHETIC", 0.0)])
+def test_cost_policy_is_lossless_and_adapts(monkeypatch: pytest.MonkeyPatch, tmp_path, algo: str, rate) -> None:  # noqa: ANN001
+    monkeypatch.setenv("HOME", str(tmp_path))  # the measured curve is cached under ~/.cache
+    m = tiny_model("llama")
+    opts = dict(speculative_algorithm=algo, speculative_num_draft_tokens=6, speculative_window="cost")
+    if rate is not None:
+        opts["speculative_synthetic_accept_rate"] = rate
+    llm = LLM.from_model(m, **opts)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 11], [7] * 12]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference_greedy(m, p, 30)
+        assert "spec_mean_window" in o.meta_info
+    counts = llm.engine.stats.window_counts
+    assert sum(counts) > 0
+    if rate == 0.0:  # nothing is ever accepted: the policy falls back to plain decoding
+        assert counts[0] > sum(counts[1:])
+    assert list((tmp_path / ".cache" / "specserve" / "cost").glob("*.json"))

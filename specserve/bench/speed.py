@@ -24,7 +24,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_prompt_args(p)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--algos", nargs="+", default=["plain", "NGRAM"],
-                   help="plain and/or drafters (NGRAM, STANDALONE, SYNTHETIC); engine flags apply to all")
+                   help="plain and/or drafters (NGRAM, STANDALONE, SYNTHETIC), optionally +WINDOW_POLICY "
+                        "(e.g. NGRAM+cost); engine flags apply to all")
     p.add_argument("--hf", action="store_true", help="HF transformers.generate baselines (plain; prompt lookup; "
                    "assistant model when --speculative-draft-model-path is set)")
     p.add_argument("--llama-cpp", action="store_true", help="llama-cpp-python on the same GGUF, if installed")
@@ -35,12 +36,15 @@ def _engines(a: argparse.Namespace) -> dict[str, Any]:
     from ..engine.llm import LLM
 
     out = {}
-    for algo in a.algos:
+    for spec in a.algos:
+        algo, _, window = spec.partition("+")  # e.g. NGRAM+cost: this config with --speculative-window cost
         a2 = argparse.Namespace(**vars(a))
         a2.speculative_algorithm = None if algo == "plain" else algo
-        cfg = config_from_args(a2, a.model)
-        llm = LLM.from_config(cfg)
-        out["specserve " + (algo if algo == "plain" else llm.engine.drafter.label.split(" ")[0])] = llm
+        if window:
+            a2.speculative_window = window
+        llm = LLM.from_config(config_from_args(a2, a.model))
+        label = algo if algo == "plain" else llm.engine.drafter.label.split(" ")[0]
+        out[f"specserve {label}" + (f"+{window}" if window else "")] = llm
     return out
 
 

@@ -57,21 +57,18 @@ class StandaloneDrafter(Drafter):
                 continue
             todo.append((req, st, start, n))
         if todo:
-            self.runner.forward([s.page_table for _, s, _, _ in todo], [st for *_, st, _ in todo],
+            self.runner.forward([s.page_table for _, s, _, _ in todo], [start for _, _, start, _ in todo],
                                 [r.all_ids[s : s + n] for r, _, s, n in todo], [[] for _ in todo])
             for _, st, start, n in todo:
                 st.done = start + n
 
-    def _choose(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
+    def _draft_token(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
         """Draft token from one row of draft logits, processed as the target will process its row."""
         x = target_logits(logits[None], req.params, req.prompt_ids, req.output_ids + drafts, [])[0]
         if req.params.greedy or self.greedy_draft:
             return int(x.argmax()), None  # deterministic: verified one-hot
         q = torch.softmax(x.float(), dim=-1)
         return sample(q, req.generator), q
-
-    def _draft_token(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
-        return self._choose(req, logits, drafts)
 
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
         B = len(reqs)
@@ -86,7 +83,8 @@ class StandaloneDrafter(Drafter):
                 self.kv.ensure(st.page_table, req.seq_len + w - 1)
             except OutOfPages:
                 continue  # no draft memory: this request decodes plainly this step
-            st.base, active = req.seq_len, active + [b]
+            st.base = req.seq_len
+            active.append(b)
         pending = {b: reqs[b].all_ids[self.state[reqs[b].request_id].done :] for b in active}
         while active:
             sts = [self.state[reqs[b].request_id] for b in active]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..core import Request
+from ..models.tokenizer import IncrementalDetokenizer
 from .sampling import token_logprobs
 
 
@@ -41,8 +42,6 @@ class Emitter:
         """Incremental text; on a match the text is cut before the stop string (OpenAI semantics)."""
         if self.tokenizer is None:
             return False
-        from ..models.tokenizer import IncrementalDetokenizer
-
         det = self.detok.setdefault(r.request_id, IncrementalDetokenizer(self.tokenizer))
         delta = det.feed(token)
         text = self.text.get(r.request_id, "") + delta

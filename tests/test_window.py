@@ -41,12 +41,24 @@ def test_cost_windows_never_plan_below_plain() -> None:
     assert k[3] >= k[0]  # the request that accepts more gets at least as long a window
 
 
+def test_draft_cost_shortens_windows() -> None:
+    verify = CostModel([(1, 1.0), (64, 1.5)])  # verifying extra tokens is nearly free
+    reqs = [_req(6, 10), _req(6, 10)]  # α ≈ 0.58
+    free = cost_windows(reqs, [6, 6], verify)
+    cheap = cost_windows(reqs, [6, 6], verify, draft_step=CostModel([(1, 0.05), (64, 0.1)]))
+    dear = cost_windows(reqs, [6, 6], verify, draft_step=CostModel([(1, 1.0), (64, 2.0)]))
+    assert free == [6, 6]
+    assert sum(dear) < sum(cheap) <= sum(free)
+    assert dear == [0, 0]  # a draft step as dear as a target step never pays at α ≈ 0.58
+
+
 @pytest.mark.parametrize("algo,rate", [("NGRAM", None), ("SYNTHETIC", 0.9), ("SYNTHETIC", 0.0)])
 def test_cost_policy_is_lossless_and_adapts(monkeypatch: pytest.MonkeyPatch, algo: str, rate) -> None:  # noqa: ANN001
     # a fixed curve (extra verify tokens cost 10% of a step each) keeps the test independent of this
     # machine's timings; measuring and caching are tested below
-    curve = CostModel([(1, 1.0), (64, 7.3)])
-    monkeypatch.setattr(CostModel, "cached", classmethod(lambda cls, runner, key, cache_dir=None: curve))
+    curve, draft = CostModel([(1, 1.0), (64, 7.3)]), CostModel([(1, 0.02), (64, 0.05)])
+    monkeypatch.setattr(CostModel, "cached", classmethod(
+        lambda cls, runner, key, cache_dir=None: draft if key.startswith("draft-") else curve))
     m = tiny_model("llama")
     opts = dict(speculative_algorithm=algo, speculative_num_draft_tokens=6, speculative_window="cost")
     if rate is not None:

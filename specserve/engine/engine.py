@@ -69,9 +69,13 @@ class Engine:
         self.stats = SpecStats()
         self.verify_mode = verify_mode()
         self.cost_model: CostModel | None = None
+        self.draft_cost_model: CostModel | None = None
         if self.drafter and config.speculative_window == "cost":
-            key = "".join(c if c.isalnum() else "_" for c in f"{mcfg.name}-{self.dtype}-{config.quantization}")
-            self.cost_model = CostModel.cached(self.runner, key)
+            self.cost_model = CostModel.cached(self.runner, self._cost_key(mcfg, self.dtype))
+            draft_runner = getattr(self.drafter, "runner", None)  # model drafters draft position by position
+            if draft_runner is not None:
+                dm = draft_runner.model
+                self.draft_cost_model = CostModel.cached(draft_runner, "draft-" + self._cost_key(dm.cfg, dm.dtype))
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
@@ -82,6 +86,9 @@ class Engine:
         if name == "auto":
             return torch.bfloat16 if quantization == "int4" else torch.float32
         return _DTYPES[name]
+
+    def _cost_key(self, cfg: ModelConfig, dtype: torch.dtype) -> str:
+        return "".join(c if c.isalnum() else "_" for c in f"{cfg.name}-{dtype}-{self.config.quantization}")
 
     def reserve_draft_kv(self, draft_cfg: ModelConfig, dtype: torch.dtype) -> int:
         """Split the KV budget so both pools hold the same number of tokens; returns draft pages.
@@ -176,7 +183,7 @@ class Engine:
     def _decode(self, reqs: list[Request]) -> list[Request]:
         window = [self._window(r) for r in reqs]
         if self.cost_model is not None:
-            window = cost_windows(reqs, window, self.cost_model)
+            window = cost_windows(reqs, window, self.cost_model, self.draft_cost_model)
         for r, w in zip(reqs, window):
             r.spec_decode_steps += 1
             self.stats.record_window(w)

@@ -8,8 +8,8 @@
 where α_b is request b's per-position acceptance so far (Beta(1, 1) prior) and t(n) the measured
 time of one target forward over n tokens. Greedy: start every window at 0 and keep adding the
 draft position with the largest marginal gain α_b^{k_b+1} while the ratio improves. A window of 0
-is plain decoding for that request, so the batch is never planned slower than plain decoding
-(draft cost is not modelled: for model drafters it comes on top).
+is plain decoding for that request, so the batch is never planned slower than plain decoding.
+Model drafters (STANDALONE, SYNTHETIC) add their own measured forward time per draft position.
 """
 from __future__ import annotations
 
@@ -80,20 +80,29 @@ def acceptance_estimate(r: Request) -> float:
     return (r.spec_accepted_tokens + 1) / (r.spec_trials + 2)
 
 
-def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel) -> list[int]:
-    """Greedy maximisation of expected tokens per second of verify (module docstring)."""
+def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel,
+                 draft_step: CostModel | None = None) -> list[int]:
+    """Greedy maximisation of expected tokens per second (module docstring). With `draft_step`
+    (a model drafter's forward time over m tokens), a step also pays draft_step(#drafting) for each
+    draft position up to the longest window, since model drafters draft position by position."""
     alphas = [min(acceptance_estimate(r), 0.999) for r in reqs]
     k = [0] * len(reqs)
+
+    def step_time(n_tokens: int, active: int, longest: int) -> float:
+        return cost(n_tokens) + (draft_step(active) * longest if draft_step is not None and longest else 0.0)
+
     tokens = float(len(reqs))  # every request emits at least its bonus/correction token
-    n = len(reqs)
-    best = tokens / cost(n)
+    n, active, longest = len(reqs), 0, 0
+    best = tokens / step_time(n, active, longest)
     while True:
-        cands = [(alphas[b] ** (k[b] + 1), b) for b in range(len(reqs)) if k[b] < limits[b]]
+        # largest marginal gain first; among equals, one that does not lengthen the longest window
+        cands = [(alphas[b] ** (k[b] + 1), -(k[b] + 1 > longest), b) for b in range(len(reqs)) if k[b] < limits[b]]
         if not cands:
             return k
-        gain, b = max(cands)
-        ratio = (tokens + gain) / cost(n + 1)
+        gain, _, b = max(cands)
+        a2, l2 = active + (k[b] == 0), max(longest, k[b] + 1)
+        ratio = (tokens + gain) / step_time(n + 1, a2, l2)
         if ratio <= best:
             return k
         k[b] += 1
-        tokens, n, best = tokens + gain, n + 1, ratio
+        tokens, n, active, longest, best = tokens + gain, n + 1, a2, l2, ratio

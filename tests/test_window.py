@@ -5,7 +5,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.core import Request
-from specserve.spec.window import CostModel, cost_windows
+from specserve.spec.window import CostModel, StepOverhead, cost_windows
 
 from .tiny import reference_greedy, tiny_model
 
@@ -23,18 +23,19 @@ def test_cost_model_interpolates_and_extrapolates() -> None:
 
 def test_free_verify_takes_full_windows() -> None:
     flat = CostModel([(1, 1.0), (64, 1.0 + 1e-9)])
-    assert cost_windows([_req(5, 10), _req(0, 0)], [4, 3], flat) == [4, 3]
+    assert cost_windows([_req(5, 10), _req(0, 0)], [4, 3], flat)[0] == [4, 3]
 
 
 def test_poor_acceptance_and_linear_cost_choose_plain_decoding() -> None:
     linear = CostModel([(1, 1.0), (64, 64.0)])  # every verified token costs a full step
-    assert cost_windows([_req(0, 50), _req(1, 40)], [4, 4], linear) == [0, 0]
+    assert cost_windows([_req(0, 50), _req(1, 40)], [4, 4], linear)[0] == [0, 0]
 
 
 def test_cost_windows_never_plan_below_plain() -> None:
     cost = CostModel([(1, 1.0), (8, 1.5), (32, 6.0)])
     reqs = [_req(a, 20) for a in (0, 5, 10, 18)]
-    k = cost_windows(reqs, [8] * 4, cost)
+    k, predicted = cost_windows(reqs, [8] * 4, cost)
+    assert predicted == pytest.approx(cost(sum(k) + 4))
     alphas = [(r.spec_accepted_tokens + 1) / (r.spec_trials + 2) for r in reqs]
     expected = sum((1 - a ** (kb + 1)) / (1 - a) for a, kb in zip(alphas, k))
     assert expected / cost(sum(k) + 4) >= 4 / cost(4)
@@ -44,12 +45,24 @@ def test_cost_windows_never_plan_below_plain() -> None:
 def test_draft_cost_shortens_windows() -> None:
     verify = CostModel([(1, 1.0), (64, 1.5)])  # verifying extra tokens is nearly free
     reqs = [_req(6, 10), _req(6, 10)]  # α ≈ 0.58
-    free = cost_windows(reqs, [6, 6], verify)
-    cheap = cost_windows(reqs, [6, 6], verify, draft_step=CostModel([(1, 0.05), (64, 0.1)]))
-    dear = cost_windows(reqs, [6, 6], verify, draft_step=CostModel([(1, 1.0), (64, 2.0)]))
+    free, _ = cost_windows(reqs, [6, 6], verify)
+    cheap, _ = cost_windows(reqs, [6, 6], verify, draft_step=CostModel([(1, 0.05), (64, 0.1)]))
+    dear, _ = cost_windows(reqs, [6, 6], verify, draft_step=CostModel([(1, 1.0), (64, 2.0)]))
     assert free == [6, 6]
     assert sum(dear) < sum(cheap) <= sum(free)
     assert dear == [0, 0]  # a draft step as dear as a target step never pays at α ≈ 0.58
+
+
+def test_step_overhead_learns_per_request_cost_and_stops_drafting() -> None:
+    oh = StepOverhead()
+    for _ in range(20):
+        oh.observe(elapsed=1.1, predicted=1.0, active=0)  # plain steps: 0.1 s the curves miss
+        oh.observe(elapsed=2.1, predicted=1.0, active=2)  # + 0.5 s per drafting request
+    assert oh.base == pytest.approx(0.1, rel=0.05) and oh.per_request == pytest.approx(0.5, rel=0.05)
+    verify = CostModel([(1, 1.0), (64, 1.5)])
+    reqs = [_req(6, 10), _req(6, 10)]
+    assert cost_windows(reqs, [4, 4], verify)[0] != [0, 0]
+    assert cost_windows(reqs, [4, 4], verify, per_request=oh.per_request)[0] == [0, 0]
 
 
 @pytest.mark.parametrize("algo,rate", [("NGRAM", None), ("SYNTHETIC", 0.9), ("SYNTHETIC", 0.0)])

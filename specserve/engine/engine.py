@@ -26,7 +26,7 @@ from ..models import LlamaModel, build_model
 from ..models.config import ModelConfig
 from ..spec.rules import accept_request
 from ..spec.verify import verify, verify_mode
-from ..spec.window import CostModel, cost_windows
+from ..spec.window import CostModel, StepOverhead, cost_windows
 from .output import Emitter
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -70,6 +70,7 @@ class Engine:
         self.verify_mode = verify_mode()
         self.cost_model: CostModel | None = None
         self.draft_cost_model: CostModel | None = None
+        self.step_overhead = StepOverhead()
         if self.drafter and config.speculative_window == "cost":
             self.cost_model = CostModel.cached(self.runner, self._cost_key(mcfg, self.dtype))
             draft_runner = getattr(self.drafter, "runner", None)  # model drafters draft position by position
@@ -181,9 +182,11 @@ class Engine:
         return max(0, min(self.num_draft_tokens, room, left))
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
+        t0 = time.perf_counter()
         window = [self._window(r) for r in reqs]
         if self.cost_model is not None:
-            window = cost_windows(reqs, window, self.cost_model, self.draft_cost_model)
+            window, predicted = cost_windows(reqs, window, self.cost_model, self.draft_cost_model,
+                                             self.step_overhead.per_request)
         for r, w in zip(reqs, window):
             r.spec_decode_steps += 1
             self.stats.record_window(w)
@@ -199,6 +202,8 @@ class Engine:
             accepted.append(self._apply(r, res, raw, len(d)))
         if self.drafter:
             self.drafter.commit(reqs, accepted)
+        if self.cost_model is not None:
+            self.step_overhead.observe(time.perf_counter() - t0, predicted, sum(1 for w in window if w))
         return reqs
 
     def _apply(self, r: Request, res: AcceptResult, raw: torch.Tensor, num_draft: int) -> int:

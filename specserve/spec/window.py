@@ -9,7 +9,8 @@ where α_b is request b's per-position acceptance so far (Beta(1, 1) prior) and 
 time of one target forward over n tokens. Greedy: start every window at 0 and keep adding the
 draft position with the largest marginal gain α_b^{k_b+1} while the ratio improves. A window of 0
 is plain decoding for that request, so the batch is never planned slower than plain decoding.
-Model drafters (STANDALONE, SYNTHETIC) add their own measured forward time per draft position.
+Model drafters (STANDALONE, SYNTHETIC) add their own measured forward time per draft position, and
+what the curves miss per drafting request is learned online from measured steps (StepOverhead).
 """
 from __future__ import annotations
 
@@ -80,29 +81,51 @@ def acceptance_estimate(r: Request) -> float:
     return (r.spec_accepted_tokens + 1) / (r.spec_trials + 2)
 
 
-def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel,
-                 draft_step: CostModel | None = None) -> list[int]:
+@dataclass
+class StepOverhead:
+    """What the measured curves miss, learned from real decode steps (EMA): a per-step residual of
+    steps where nobody drafted, and seconds per drafting request (draft lookup, per-request
+    acceptance, ragged attention) from steps where some did."""
+
+    base: float = 0.0
+    per_request: float = 0.0
+    decay: float = 0.8
+
+    def observe(self, elapsed: float, predicted: float, active: int) -> None:
+        residual = elapsed - predicted
+        if active == 0:
+            self.base = self.decay * self.base + (1 - self.decay) * residual
+        else:
+            per = max(0.0, (residual - self.base) / active)
+            self.per_request = self.decay * self.per_request + (1 - self.decay) * per
+
+
+def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_step: CostModel | None = None,
+                 per_request: float = 0.0) -> tuple[list[int], float]:
     """Greedy maximisation of expected tokens per second (module docstring). With `draft_step`
     (a model drafter's forward time over m tokens), a step also pays draft_step(#drafting) for each
-    draft position up to the longest window, since model drafters draft position by position."""
+    draft position up to the longest window, since model drafters draft position by position;
+    `per_request` (StepOverhead) is charged for every drafting request.
+    Returns the windows and the curves' predicted step time for them (without `per_request`)."""
     alphas = [min(acceptance_estimate(r), 0.999) for r in reqs]
     k = [0] * len(reqs)
 
-    def step_time(n_tokens: int, active: int, longest: int) -> float:
+    def curves(n_tokens: int, active: int, longest: int) -> float:
         return cost(n_tokens) + (draft_step(active) * longest if draft_step is not None and longest else 0.0)
 
     tokens = float(len(reqs))  # every request emits at least its bonus/correction token
     n, active, longest = len(reqs), 0, 0
-    best = tokens / step_time(n, active, longest)
+    best = tokens / curves(n, active, longest)
     while True:
         # largest marginal gain first; among equals, one that does not lengthen the longest window
         cands = [(alphas[b] ** (k[b] + 1), -(k[b] + 1 > longest), b) for b in range(len(reqs)) if k[b] < limits[b]]
         if not cands:
-            return k
+            break
         gain, _, b = max(cands)
         a2, l2 = active + (k[b] == 0), max(longest, k[b] + 1)
-        ratio = (tokens + gain) / step_time(n + 1, a2, l2)
+        ratio = (tokens + gain) / (curves(n + 1, a2, l2) + per_request * a2)
         if ratio <= best:
-            return k
+            break
         k[b] += 1
         tokens, n, active, longest, best = tokens + gain, n + 1, a2, l2, ratio
+    return k, curves(n, active, longest)

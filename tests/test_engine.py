@@ -9,11 +9,9 @@ import random
 import pytest
 import torch
 
-from specserve.cache.kv_pool import KVPool
 from specserve.core import SamplingParams, Status
 from specserve.engine.llm import LLM
-from specserve.engine.runner import ModelRunner
-from tests.tiny import reference_greedy, tiny_model
+from tests.tiny import ref_logits, reference_greedy, tiny_model
 
 V = 97  # tiny_model vocabulary
 
@@ -24,13 +22,6 @@ def make_llm(model, **opts) -> LLM:  # noqa: ANN001
     return LLM.from_model(model, **opts)
 
 
-def ref_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
-    """Full forward of ids from scratch: row j = logits after ids[: j + 1]."""
-    kv = KVPool(model.cfg, num_pages=(len(ids) + 15) // 16, page_size=16, dtype=model.dtype)
-    pt: list[int] = []
-    kv.ensure(pt, len(ids))
-    logits, _ = ModelRunner(model, kv).forward([pt], [0], [ids], [list(range(len(ids)))])
-    return logits[0]
 
 
 def output_rows(model, prompt: list[int], out: list[int]) -> torch.Tensor:  # noqa: ANN001

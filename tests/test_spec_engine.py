@@ -20,7 +20,7 @@ from specserve.cache.kv_pool import KVPool
 from specserve.core import SamplingParams, Status
 from specserve.engine.llm import LLM
 from specserve.engine.runner import ModelRunner
-from tests.tiny import reference_greedy, tiny_model
+from tests.tiny import ref_logits, reference_greedy, tiny_model
 
 V = 97
 SYN = "SYNTHETIC"
@@ -74,12 +74,6 @@ def fresh_kv(model, ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tens
     return [k[slots] for k in kv.k], [v[slots] for v in kv.v]
 
 
-def ref_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
-    kv = KVPool(model.cfg, num_pages=(len(ids) + 15) // 16, page_size=16, dtype=model.dtype)
-    pt: list[int] = []
-    kv.ensure(pt, len(ids))
-    logits, _ = ModelRunner(model, kv).forward([pt], [0], [ids], [list(range(len(ids)))])
-    return logits[0]
 
 
 def check_stats(eng, reqs) -> None:  # noqa: ANN001

@@ -93,3 +93,15 @@ def save_tiny_hf_dir(cfg: ModelConfig, sd: dict[str, torch.Tensor], path) -> str
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({}))
     return str(path)
+
+
+def ref_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """Full forward of ids from scratch: row j = logits after ids[: j + 1]."""
+    from specserve.cache.kv_pool import KVPool
+    from specserve.engine.runner import ModelRunner
+
+    kv = KVPool(model.cfg, num_pages=(len(ids) + 15) // 16, page_size=16, dtype=model.dtype)
+    pt: list[int] = []
+    kv.ensure(pt, len(ids))
+    logits, _ = ModelRunner(model, kv).forward([pt], [0], [ids], [list(range(len(ids)))])
+    return logits[0]

@@ -23,6 +23,13 @@ def _warn_extra(body: Any) -> None:
         log.warning("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
 
 
+def _final_text(tok: Any, sp: Any, o: dict) -> str:
+    """Whole text of a collected (non-streamed) output, cut before a matched stop string."""
+    ts = TextStream(tok, sp.stop)
+    ts.ids = o["ids"]
+    return ts.final_text(o["delta"].stop_text)
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
     srv = server(request)
@@ -40,10 +47,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     outs = await collect(srv, request, q, ids)
     choices = []
     for i, ((_, sp), o) in enumerate(zip(seqs, outs)):
-        ts = TextStream(tok, sp.stop)
-        ts.ids = o["ids"]
         d = o["delta"]
-        text = ts.final_text(d.stop_text)
+        text = _final_text(tok, sp, o)
         full = tok.decode(o["ids"]) if tok is not None else ""
         choices.append({
             "index": i, "text": echo[i] + text, "finish_reason": d.finish_reason,
@@ -111,11 +116,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     outs = await collect(srv, request, q, ids)
     choices = []
     for i, ((_, sp), o) in enumerate(zip(seqs, outs)):
-        ts = TextStream(tok, sp.stop)
-        ts.ids = o["ids"]
         d = o["delta"]
         choices.append({
-            "index": i, "message": {"role": "assistant", "content": ts.final_text(d.stop_text)},
+            "index": i, "message": {"role": "assistant", "content": _final_text(tok, sp, o)},
             "logprobs": chat_logprobs(tok, o["logprobs"]) if sp.logprobs is not None else None,
             "finish_reason": d.finish_reason,
         })

@@ -59,8 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(s)
     add_engine_args(s)
     from .bench import add_bench_parser
+    from .train.trainer import add_args as add_train_args
 
     add_bench_parser(sub)
+    t = sub.add_parser("train-drafter", help="train an EAGLE-3/MTP/DFlash/DSpark drafter for a target (see docs/training.md)")
+    add_train_args(t)
     return parser
 
 
@@ -136,6 +139,14 @@ def main(argv: list[str] | None = None) -> None:
         from .bench import run_bench
 
         return run_bench(a)
+    if a.command == "train-drafter":
+        from .train.trainer import run
+
+        try:
+            run(a)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"specserve: error: {e}") from None
+        return None
     {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[a.command](a)
 
 

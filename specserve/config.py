@@ -10,8 +10,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-SPEC_ALGORITHMS = ("NGRAM", "STANDALONE", "SYNTHETIC")
-_ALGO_ALIASES = {"PROMPT_LOOKUP": "NGRAM", "DRAFT_MODEL": "STANDALONE"}
+SPEC_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE3", "MTP", "DFLASH", "DSPARK", "SYNTHETIC")
+LEARNED_ALGORITHMS = ("EAGLE3", "MTP", "DFLASH", "DSPARK")
+_ALGO_ALIASES = {"PROMPT_LOOKUP": "NGRAM", "DRAFT_MODEL": "STANDALONE", "EAGLE": "EAGLE3", "NEXTN": "MTP"}
 ACCEPT_RULES = ("auto", "greedy", "sample", "onehot", "block")
 
 
@@ -33,9 +34,14 @@ class EngineConfig:
     max_running_requests: int = _f(64, "max requests decoding at once")
     seed: int = _f(0, "engine seed; unseeded requests draw their seeds from it")
     num_threads: int | None = _f(None, "torch intra-op threads (default: torch's choice)")
-    speculative_algorithm: str | None = _f(None, "drafter: NGRAM, STANDALONE, SYNTHETIC (tests/benchmarks only)")
-    speculative_draft_model_path: str | None = _f(None, "draft model for STANDALONE (same tokenizer as the target)")
-    speculative_num_draft_tokens: int = _f(4, "draft tokens proposed per request per step (K)")
+    speculative_algorithm: str | None = _f(None, "drafter: NGRAM, STANDALONE, EAGLE3 (EAGLE), MTP (NEXTN), DFLASH, "
+                                           "DSPARK, SYNTHETIC (tests/benchmarks only); NONE = plain decoding")
+    speculative_draft_model_path: str | None = _f(None, "draft model for STANDALONE, or a drafter artifact dir for "
+                                                  "EAGLE3/MTP/DFLASH/DSPARK (default: the one shipped for the target)")
+    speculative_num_draft_tokens: int | None = _f(None, "draft tokens proposed per request per step (K; default 4, "
+                                                  "block drafters: block size − 1)")
+    speculative_dflash_block_size: int | None = _f(None, "DFLASH: block size at serving (≤ the trained one; default it)")
+    speculative_dspark_block_size: int | None = _f(None, "DSPARK: block size at serving (≤ the trained one; default it)")
     speculative_window: str = _f("fixed", "window policy: fixed = K for every request; cost = per-request windows "
                                  "from acceptance so far and a measured verify-cost curve (0 = plain)", ("fixed", "cost"))
     speculative_accept: str = _f("auto", "acceptance rule at temperature > 0 (greedy always at 0)", ACCEPT_RULES)
@@ -46,6 +52,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         algo = self.speculative_algorithm
+        if algo is not None and algo.upper() == "NONE":
+            algo = None
+            object.__setattr__(self, "speculative_algorithm", None)
         if algo is not None:
             algo = _ALGO_ALIASES.get(algo.upper(), algo.upper())
             if algo not in SPEC_ALGORITHMS:
@@ -59,8 +68,11 @@ class EngineConfig:
         for name in ("page_size", "max_prefill_tokens", "max_running_requests", "speculative_ngram_min_match"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.speculative_num_draft_tokens <= 64:
+        if self.speculative_num_draft_tokens is not None and not 0 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError(f"--speculative-num-draft-tokens must be in [0, 64], got {self.speculative_num_draft_tokens}")
+        for name in ("speculative_dflash_block_size", "speculative_dspark_block_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 2:
+                raise ValueError(f"--{flag(name)} must be >= 2 (an anchor and at least one MASK), got {getattr(self, name)}")
         if self.speculative_ngram_max_match < self.speculative_ngram_min_match:
             raise ValueError("--speculative-ngram-max-match must be >= --speculative-ngram-min-match")
         if not 0.0 <= self.speculative_synthetic_accept_rate <= 1.0:

@@ -45,7 +45,7 @@ class StandaloneDrafter(Drafter):
     def _st(self, req: Request) -> _DraftState:
         return self.state.setdefault(req.request_id, _DraftState())
 
-    def prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
+    def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         todo = []
         for req, start, n in chunks:
             st = self._st(req)
@@ -107,7 +107,7 @@ class StandaloneDrafter(Drafter):
         q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]
         return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None)
 
-    def commit(self, reqs: list[Request], num_accepted: list[int]) -> None:
+    def commit(self, reqs: list[Request], num_accepted: list[int], feats: list[torch.Tensor] | None = None) -> None:
         for req, n in zip(reqs, num_accepted):
             st = self.state.get(req.request_id)
             if st is not None and st.base:

@@ -28,7 +28,7 @@ from ..spec.rules import accept_request
 from ..spec.verify import verify, verify_mode
 from ..spec.window import CostModel, StepOverhead, cost_windows
 from .output import Emitter
-from .runner import ModelRunner
+from .runner import ModelRunner, split_features
 from .scheduler import Scheduler
 
 log = logging.getLogger("specserve")
@@ -59,7 +59,8 @@ class Engine:
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory!r} is too small for one KV page of this model")
         self.kv = KVPool(mcfg, pages, config.page_size, self.dtype)
         self.runner = ModelRunner(model, self.kv)
-        self.num_draft_tokens = config.speculative_num_draft_tokens if self.drafter else 0
+        k = config.speculative_num_draft_tokens
+        self.num_draft_tokens = (self.drafter.default_num_draft_tokens if k is None else k) if self.drafter else 0
         self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests, self.num_draft_tokens)
         self.scheduler.on_release = self.drafter.release if self.drafter else None
         self.eos_ids = set(mcfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -162,13 +163,15 @@ class Engine:
     def _prefill(self, chunks: list[tuple[Request, int]]) -> list[Request]:
         starts = [r.committed_len for r, _ in chunks]
         sample_first = [r.committed_len + n == r.prefill_target and not r.output_ids for r, n in chunks]
-        logits, _ = self.runner.forward(
+        aux = self.drafter.aux_layers if self.drafter else ()
+        logits, captured = self.runner.forward(
             [r.page_table for r, _ in chunks], starts, [r.all_ids[s : s + n] for (r, n), s in zip(chunks, starts)],
-            [[n - 1] if f else [] for (_, n), f in zip(chunks, sample_first)])
+            [[n - 1] if f else [] for (_, n), f in zip(chunks, sample_first)], tuple(sorted(aux)))
         for r, n in chunks:
             r.committed_len += n
         if self.drafter:
-            self.drafter.prefill([(r, s, n) for (r, n), s in zip(chunks, starts)])
+            feats = split_features(captured, aux, [n for _, n in chunks]) if aux else None
+            self.drafter.prefill([(r, s, n) for (r, n), s in zip(chunks, starts)], feats)
         out = []
         for (r, _), f, row in zip(chunks, sample_first, logits):
             if f:  # first token: the same accept path with an empty draft
@@ -193,7 +196,8 @@ class Engine:
         proposal = self.drafter.propose(reqs, window) if self.drafter and any(window) else Proposal.empty(len(reqs))
         drafts = [d[:w] for d, w in zip(proposal.tokens, window)]
         qs = proposal.q or [None] * len(reqs)
-        logits = verify(self.runner, reqs, Proposal(tokens=drafts), self.verify_mode)
+        aux = self.drafter.aux_layers if self.drafter else ()
+        logits, feats = verify(self.runner, reqs, Proposal(tokens=drafts), self.verify_mode, aux)
         accepted = []
         for r, raw, d, q in zip(reqs, logits, drafts, qs):
             res = accept_request(r, raw, d, None if q is None else q[: len(d)], self.config.speculative_accept)
@@ -201,7 +205,7 @@ class Engine:
                 r.committed_len += res.num_accepted + 1  # COMMIT: KV of last + accepted drafts is final
             accepted.append(self._apply(r, res, raw, len(d)))
         if self.drafter:
-            self.drafter.commit(reqs, accepted)
+            self.drafter.commit(reqs, accepted, feats)
         if self.cost_model is not None:
             self.step_overhead.observe(time.perf_counter() - t0, predicted, sum(1 for w in window if w))
         return reqs

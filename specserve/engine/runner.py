@@ -45,3 +45,11 @@ class ModelRunner:
         hidden, captured = self.model(fb, self.kv.k, self.kv.v, capture_layers)
         logits = self.model.compute_logits(hidden) if len(logits_index) else hidden.new_zeros(0, 0)
         return list(logits.split([len(o) for o in logits_offsets])), captured
+
+
+def split_features(captured: list[torch.Tensor], aux: tuple[int, ...], lengths: list[int]) -> list[torch.Tensor]:
+    """Captured hidden states (one packed [T, H] per layer, in layer order) → per request
+    [n_b, len(aux), H] in `aux` order (the drafter's feature layout)."""
+    order = sorted(aux)
+    stacked = torch.stack([captured[order.index(a)] for a in aux], dim=1)
+    return list(stacked.split(lengths))

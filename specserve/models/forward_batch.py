@@ -35,12 +35,15 @@ def build_forward_batch(
     slot_lists: list[list[int]],
     ctx_slot_lists: list[list[int]],
     logits_index: list[int] | None,
+    causal: bool = True,
 ) -> ForwardBatch:
     """Build a ForwardBatch.
 
     token_lists[b]: new tokens of request b, at positions start_positions[b] + i.
     slot_lists[b]: KV slots for those tokens. ctx_slot_lists[b]: slots of positions
     0 .. start+len-1 (the whole context including the new tokens, which are written first).
+    causal=False: every new token sees the whole context and all new tokens of its request
+    (block drafters' bidirectional block).
     NOTE: every query row attends at least to itself, so no softmax row is empty (no NaN).
     """
     B = len(token_lists)
@@ -63,13 +66,17 @@ def build_forward_batch(
     start_t = torch.tensor(start_positions)
     q_pos = start_t[:, None] + offs[None, :]  # [B, q_max]
     kv_pos = torch.arange(L)
-    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # causal over absolute positions
+    if causal:
+        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # causal over absolute positions
+    else:
+        ends = torch.tensor([len(c) for c in ctx_slot_lists])
+        mask = (kv_pos[None, :] < ends[:, None])[:, None, :].expand(B, q_max, L).clone()
     mask &= q_valid[:, :, None]
     mask[:, :, 0] |= ~q_valid  # padded rows attend to slot 0 only: finite, discarded
     ctx_lens = [len(c) for c in ctx_slot_lists]
     uniform = q_max if min(q_lens) == q_max else None
     # decode with equal contexts: every query sees every slot, so SDPA needs no mask at all
-    no_mask = uniform == 1 and min(ctx_lens) == L
+    no_mask = (uniform == 1 or not causal) and min(ctx_lens) == L
     return ForwardBatch(
         input_ids=ids,
         positions=pos,

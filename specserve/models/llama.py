@@ -43,6 +43,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """q [T, H, hd], k/v [T, KVH, hd] of the packed new tokens → attention output [T, H * hd].
+    Writes k/v at fb.slot_mapping, then attends over each request's context slots under fb.attn_mask."""
+    T, nq, hd = q.shape
+    # NOTE: new K/V land in the pool first; the context read below includes them.
+    k_cache.index_copy_(0, fb.slot_mapping, k)
+    v_cache.index_copy_(0, fb.slot_mapping, v)
+    B = fb.ctx_slots.shape[0]
+    uq = fb.uniform_q
+    qp = (q.view(B, uq, nq, hd) if uq else q[fb.q_index]).transpose(1, 2)  # [B, H, q_max, hd]
+    if fb.ctx_start is not None:  # one request, consecutive pages: a view instead of a copy
+        span = slice(fb.ctx_start, fb.ctx_start + fb.ctx_slots.shape[1])
+        kc, vc = k_cache[span].unsqueeze(0).transpose(1, 2), v_cache[span].unsqueeze(0).transpose(1, 2)
+    else:
+        kc = k_cache[fb.ctx_slots].transpose(1, 2)  # [B, KVH, L, hd]
+        vc = v_cache[fb.ctx_slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=fb.attn_mask, enable_gqa=nq != k.shape[1])
+    o = o.transpose(1, 2)
+    return o.reshape(T, -1) if uq else o[fb.q_valid].reshape(T, -1)  # back to packed order
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -73,21 +95,7 @@ class DecoderLayer(nn.Module):
             q = F.rms_norm(q, (self.hd,), self.q_norm, self.eps)
             k = F.rms_norm(k, (self.hd,), self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # NOTE: new K/V land in the pool first; the context read below includes them.
-        k_cache.index_copy_(0, fb.slot_mapping, k)
-        v_cache.index_copy_(0, fb.slot_mapping, v)
-        B = fb.ctx_slots.shape[0]
-        uq = fb.uniform_q
-        qp = (q.view(B, uq, self.nq, self.hd) if uq else q[fb.q_index]).transpose(1, 2)  # [B, H, q_max, hd]
-        if fb.ctx_start is not None:  # one request, consecutive pages: a view instead of a copy
-            span = slice(fb.ctx_start, fb.ctx_start + fb.ctx_slots.shape[1])
-            kc, vc = k_cache[span].unsqueeze(0).transpose(1, 2), v_cache[span].unsqueeze(0).transpose(1, 2)
-        else:
-            kc = k_cache[fb.ctx_slots].transpose(1, 2)  # [B, KVH, L, hd]
-            vc = v_cache[fb.ctx_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=fb.attn_mask, enable_gqa=self.nq != self.nkv)
-        o = o.transpose(1, 2)
-        o = (o.reshape(T, -1) if uq else o[fb.q_valid].reshape(T, -1))  # back to packed order
+        o = paged_attention(q, k, v, fb, k_cache, v_cache)
         x = x + linear(o, self.o_w)
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
         gate, up = linear(h, self.gate_up_w).chunk(2, dim=-1)

@@ -12,7 +12,7 @@ import os
 import torch
 
 from ..core import Proposal, Request
-from ..engine.runner import ModelRunner
+from ..engine.runner import ModelRunner, split_features
 
 VERIFY_MODES = ("compact", "padded")
 
@@ -24,8 +24,10 @@ def verify_mode() -> str:
     return mode
 
 
-def verify(runner: ModelRunner, reqs: list[Request], proposal: Proposal, mode: str = "compact") -> list[torch.Tensor]:
-    """Returns per request the raw target logits [k_b + 1, V]; row i follows d_1..d_i."""
+def verify(runner: ModelRunner, reqs: list[Request], proposal: Proposal, mode: str = "compact",
+           capture_layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Returns per request the raw target logits [k_b + 1, V] (row i follows d_1..d_i) and, when
+    capture_layers is given, the target features [window_b, len(capture_layers), H] of its rows."""
     windows = [[r.output_ids[-1]] + d for r, d in zip(reqs, proposal.tokens)]
     offsets = [list(range(len(w))) for w in windows]
     if mode == "padded":
@@ -35,5 +37,7 @@ def verify(runner: ModelRunner, reqs: list[Request], proposal: Proposal, mode: s
             # never write past this request's pages, nor past the model's last position (RoPE table)
             room = min(len(r.page_table) * ps, runner.model.cfg.max_position_embeddings) - r.committed_len
             w.extend([w[-1]] * (min(width, room) - len(w)))
-    logits, _ = runner.forward([r.page_table for r in reqs], [r.committed_len for r in reqs], windows, offsets)
-    return logits
+    logits, captured = runner.forward([r.page_table for r in reqs], [r.committed_len for r in reqs], windows,
+                                      offsets, tuple(sorted(capture_layers)))
+    feats = split_features(captured, capture_layers, [len(w) for w in windows]) if capture_layers else None
+    return logits, feats

@@ -1,0 +1,134 @@
+"""Drafter artifacts: a directory with config.json + model.safetensors + README.md (model card).
+
+`load_drafter` rebuilds the net, checks it was trained for this target (explaining any mismatch)
+and binds the target's frozen tensors. Drafters shipped with specserve live in
+`specserve/drafters/shipped/<target>-<algorithm>/`; they are used when
+--speculative-draft-model-path is omitted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..models.config import ModelConfig
+from ..models.llama import LlamaModel
+from .base import Drafter, register_drafter
+from .dflash import BlockDrafter, DFlashNet
+from .dspark import DSparkNet
+from .eagle3 import ChainDrafter, Eagle3Net
+from .mtp import MtpNet
+from .nets import DraftNet, DrafterConfig
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+
+log = logging.getLogger("specserve")
+NETS: dict[str, type[DraftNet]] = {"eagle3": Eagle3Net, "mtp": MtpNet, "dflash": DFlashNet, "dspark": DSparkNet}
+SHIPPED = Path(__file__).parent / "shipped"
+
+
+def build_net(cfg: DrafterConfig) -> DraftNet:
+    if cfg.algorithm in ("eagle3", "mtp") and cfg.num_layers != 1:
+        raise ValueError(f"{cfg.algorithm} drafters have exactly one decoder layer (config says {cfg.num_layers})")
+    return NETS[cfg.algorithm](cfg)
+
+
+def save_drafter(net: DraftNet, out: Path, card: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write the artifact; floating weights are stored in `dtype` (bf16 keeps shipped drafters small)."""
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in net.state_dict().items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "specserve-drafter"})
+    (out / "config.json").write_text(net.cfg.to_json() + "\n")
+    (out / "README.md").write_text(card)
+
+
+def read_config(path: str | Path) -> DrafterConfig:
+    p = Path(path)
+    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
+        raise ValueError(f"--speculative-draft-model-path: {p} is not a drafter artifact "
+                         "(needs config.json and model.safetensors; make one with `specserve train-drafter`)")
+    import json
+
+    return DrafterConfig.from_dict(json.loads((p / "config.json").read_text()))
+
+
+def check_target(cfg: DrafterConfig, t: ModelConfig, path: str | Path) -> None:
+    """Refuse a drafter trained for a different geometry or vocabulary, saying what differs."""
+    diffs = [f"{what}: drafter was trained for {a}, target has {b}" for what, a, b in (
+        ("vocabulary size", cfg.target_vocab_size, t.vocab_size),
+        ("hidden size", cfg.target_hidden_size, t.hidden_size),
+        ("number of layers", cfg.target_num_layers, t.num_layers)) if a != b]
+    if diffs:
+        raise ValueError(f"drafter {path} (trained for {cfg.target!r}) does not fit target {t.name!r}: "
+                         + "; ".join(diffs) + ". Train one for this target: specserve train-drafter "
+                         f"--target <model> --algorithm {cfg.algorithm}")
+    if cfg.target and t.name and _norm(cfg.target) != _norm(t.name):
+        log.warning("drafter %s was trained for %r, serving %r (same geometry): acceptance may be low",
+                    path, cfg.target, t.name)
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def load_drafter(path: str | Path, target: LlamaModel, dtype: torch.dtype = torch.float32,
+                 block_size: int | None = None) -> DraftNet:
+    cfg = read_config(path)
+    check_target(cfg, target.cfg, path)
+    if block_size is not None:
+        if not cfg.is_block or block_size > cfg.block_size:
+            raise ValueError(f"--speculative-{cfg.algorithm}-block-size {block_size}: this drafter was trained "
+                             f"with block size {cfg.block_size}; use a value in [2, {cfg.block_size}]")
+        cfg = dataclasses.replace(cfg, block_size=block_size)
+    net = build_net(cfg)
+    net.load_state_dict(load_file(str(Path(path) / "model.safetensors")), strict=True)
+    net = net.to(dtype)
+    net.bind(target)
+    return net
+
+
+def shipped_drafter(target: ModelConfig, algorithm: str) -> Path | None:
+    """The drafter shipped for this target and algorithm, if any (matched by target name)."""
+    if not SHIPPED.is_dir():
+        return None
+    for d in sorted(SHIPPED.iterdir()):
+        if (d / "config.json").is_file():
+            cfg = read_config(d)
+            if cfg.algorithm == algorithm and _norm(cfg.target) == _norm(target.name):
+                return d
+    return None
+
+
+def _factory(algorithm: str):  # noqa: ANN202
+    def make(engine: "Engine") -> Drafter:
+        c, t = engine.config, engine.model
+        path = c.speculative_draft_model_path or shipped_drafter(t.cfg, algorithm)
+        if path is None:
+            raise ValueError(f"--speculative-draft-model-path: no {algorithm.upper()} drafter given and none ships for "
+                             f"{t.cfg.name!r}; train one: specserve train-drafter --target {c.model} --algorithm {algorithm}")
+        if c.speculative_draft_dtype is not None:
+            dtype = engine.resolve_dtype(c.speculative_draft_dtype)
+        else:
+            dtype = torch.float64 if engine.dtype == torch.float64 else torch.float32
+        block = {"dflash": c.speculative_dflash_block_size, "dspark": c.speculative_dspark_block_size}.get(algorithm)
+        net = load_drafter(path, t, dtype, block)
+        if net.cfg.algorithm != algorithm:
+            raise ValueError(f"--speculative-draft-model-path: {path} is a {net.cfg.algorithm.upper()} drafter, "
+                             f"not {algorithm.upper()}; pass --speculative-algorithm {net.cfg.algorithm.upper()}")
+        runtime = BlockDrafter if net.cfg.is_block else ChainDrafter
+        drafter = runtime(engine, net, algorithm.upper())
+        if net.cfg.is_block:
+            drafter.default_num_draft_tokens = net.cfg.block_size - 1
+        return drafter
+
+    return make
+
+
+for _algo in NETS:
+    register_drafter(_algo.upper())(_factory(_algo))

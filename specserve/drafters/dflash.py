@@ -1,0 +1,148 @@
+"""DFlash: a block drafter. One non-causal forward over [anchor, MASK × (B − 1)] drafts B − 1 tokens.
+
+Fused target features of the committed context are injected as K/V in every draft layer (each
+layer's own k/v projections), cached in the drafter's pool; block K/V are written past the
+context and overwritten by the next round. Offset k of the block predicts the token *at* anchor + k.
+The embedding and LM head are the target's (frozen, restricted to the draft vocabulary).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..cache.kv_pool import OutOfPages
+from ..core import Proposal, Request
+from ..models.forward_batch import build_forward_batch
+from ..models.llama import LlamaModel
+from .learned import LearnedDrafter
+from .nets import DraftLayer, DraftNet, DrafterConfig, dense_head, paged
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DFlashNet(DraftNet):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__(cfg)
+        H, eps = cfg.target_hidden_size, cfg.rms_norm_eps
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=eps)
+        self.mask_embed = nn.Parameter(torch.zeros(H))  # the MASK input (learned, not a vocabulary id)
+        self.input_norms = nn.ModuleList(nn.RMSNorm(H, eps=eps) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(self.mcfg, H) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(H, eps=eps)
+        self.head_w: torch.Tensor | None = None  # target LM head rows of the draft vocabulary (bound)
+
+    def bind(self, target: LlamaModel) -> None:
+        super().bind(target)
+        self.head_w = dense_head(target)[self.draft_ids].to(self.cos_table.dtype)
+
+    def context(self, feats: torch.Tensor) -> torch.Tensor:
+        """[T, n_aux, H] target features → [T, H] fused context, shared by all draft layers."""
+        return self.hidden_norm(self.fc(feats.flatten(1)))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cos, sin = self.rope(positions)
+        return [layer.project_kv(ctx, cos, sin) for layer in self.layers]
+
+    def block_input(self, anchors: torch.Tensor) -> torch.Tensor:
+        """[N] anchor ids → [N * B, H]: each block is the anchor's embedding then B − 1 MASKs."""
+        B = self.cfg.block_size
+        x = self.mask_embed.expand(len(anchors), B, -1).clone()
+        x[:, 0] = self.embed(anchors)
+        return x.reshape(len(anchors) * B, -1)
+
+    def block_forward(self, x: torch.Tensor, positions: torch.Tensor, attends: list[Attend]) -> torch.Tensor:
+        cos, sin = self.rope(positions)
+        for norm, layer, attend in zip(self.input_norms, self.layers, attends):
+            q, k, v = layer.project(norm(x), cos, sin)
+            x = layer.finish(x, attend(q, k, v))
+        return x
+
+    def base_logits(self, o: torch.Tensor) -> torch.Tensor:
+        """[..., H] block outputs → [..., V_d] logits (one matmul for every offset)."""
+        return self.norm(o) @ self.head_w.T
+
+    def transition(self, prev: torch.Tensor) -> torch.Tensor | None:
+        """Logit term from the token drafted at the previous offset (DSpark); DFlash has none."""
+        return None
+
+    def confidence(self, o: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+
+class BlockDrafter(LearnedDrafter):
+    """Runtime for block nets (DFlash, DSpark)."""
+
+    net: DFlashNet
+
+    def _write_context(self, reqs: list[Request]) -> None:
+        """Turn pending target features into context K/V of every draft layer (all requests at once)."""
+        sts = [self._st(r) for r in reqs]
+        todo = [st for st in sts if st.pending]
+        if not todo:
+            return
+        n = [st.num_pending for st in todo]
+        pos = torch.cat([torch.arange(st.done, st.done + k) for st, k in zip(todo, n)])
+        slots = torch.tensor([s for st, k in zip(todo, n) for s in self.kv.slots(st.page_table, st.done, st.done + k)])
+        kvs = self.net.context_kv(self.net.context(torch.cat([st.take() for st in todo])), pos)
+        for i, (k, v) in enumerate(kvs):
+            self.kv.k[i].index_copy_(0, slots, k.to(self.dtype))
+            self.kv.v[i].index_copy_(0, slots, v.to(self.dtype))
+        for st, k in zip(todo, n):
+            st.done += k
+
+    @torch.no_grad()
+    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+        B = self.net.cfg.block_size
+        active = []
+        for b, (req, w) in enumerate(zip(reqs, window)):
+            c = req.seq_len - 1  # the anchor's position == committed_len
+            if w <= 0 or c + B > self.max_pos or not self._in_sync(req):
+                continue
+            try:
+                self.kv.ensure(self._st(req).page_table, c + B)
+            except OutOfPages:
+                continue  # no draft memory: plain decoding for this request this step
+            active.append((b, min(w, B - 1)))
+        if not active:
+            return Proposal.empty(len(reqs))
+        areqs = [reqs[b] for b, _ in active]
+        self._write_context(areqs)
+        sts = [self._st(r) for r in areqs]
+        starts = [r.seq_len - 1 for r in areqs]
+        toks = [[r.output_ids[-1]] + [0] * (B - 1) for r in areqs]  # ids past the anchor are unused (MASK)
+        fb = build_forward_batch(toks, starts, [self.kv.slots(st.page_table, s, s + B) for st, s in zip(sts, starts)],
+                                 [self.kv.slots(st.page_table, 0, s + B) for st, s in zip(sts, starts)], None, causal=False)
+        attends = [paged(layer, fb, self.kv.k[i], self.kv.v[i]) for i, layer in enumerate(self.net.layers)]
+        o = self.net.block_forward(self.net.block_input(torch.tensor([t[0] for t in toks])), fb.positions, attends)
+        o = o.view(len(areqs), B, -1)[:, 1:]
+        base = self.net.base_logits(o)  # [N, B − 1, V_d]
+        return self._pick(reqs, active, o, base)
+
+    def _pick(self, reqs: list[Request], active: list[tuple[int, int]], o: torch.Tensor, base: torch.Tensor) -> Proposal:
+        """Choose tokens offset by offset (the transition term needs the previous offset's token)."""
+        tokens: list[list[int]] = [[] for _ in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        conf: list[list[torch.Tensor]] = [[] for _ in reqs]
+        prev = torch.tensor([reqs[b].output_ids[-1] for b, _ in active])
+        for k in range(max(w for _, w in active)):
+            logits = base[:, k]
+            t = self.net.transition(prev)
+            if t is not None:
+                logits = logits + t
+            c = self.net.confidence(o[:, k], logits)
+            for i, (b, w) in enumerate(active):
+                if k < w:
+                    tok, q = self._choose(reqs[b], logits[i], tokens[b])
+                    tokens[b].append(tok)
+                    prev[i] = tok
+                    if q is not None:
+                        qs[b].append(q)
+                    if c is not None:
+                        conf[b].append(c[i])
+        q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]
+        c_out = [torch.stack(c) if c else None for c in conf]
+        return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None,
+                        confidence=c_out if any(c is not None for c in c_out) else None)

@@ -1,0 +1,132 @@
+"""EAGLE-3: one decoder layer over fused features of three target layers, drafting a chain.
+
+Row t of the drafter pairs the token x_t with the target feature of position t − 1 (a zero
+feature before position 0) and predicts x_{t+1}; its K/V live in the drafter's own pool at
+position t. A round: rows for the newly committed positions (target features), then the chain,
+each step feeding the draft's own output hidden back in place of a target feature.
+Draft vocabulary: the draft_vocab_size most frequent response tokens; d2t maps them to target ids.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..core import Proposal, Request
+from ..cache.kv_pool import OutOfPages
+from ..models.forward_batch import build_forward_batch
+from .learned import FeatState, LearnedDrafter
+from .nets import DraftLayer, DraftNet, DrafterConfig, paged
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ChainNet(DraftNet):
+    """Contract of EAGLE-3 and MTP nets: fuse target features, one step, logits over draft vocab."""
+
+    layer: DraftLayer
+
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """[T, n_aux, H] target features → [T, H] step-0 hidden inputs."""
+        raise NotImplementedError
+
+    def inputs(self, tokens: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input a, residual x) of the layer for these tokens and hidden inputs."""
+        raise NotImplementedError
+
+    def logits(self, o: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        a, x = self.inputs(tokens, h)
+        q, k, v = self.layer.project(a, *self.rope(positions))
+        return self.layer.finish(x, attend(q, k, v))
+
+
+class Eagle3Net(ChainNet):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__(cfg)
+        H = cfg.target_hidden_size
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
+        self.norm_e = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.norm_h = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.layer = DraftLayer(self.mcfg, 2 * H)
+        self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.head = nn.Linear(H, cfg.draft_vocab_size, bias=False)  # own head over the draft vocabulary
+
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.fc(feats.flatten(1))
+
+    def inputs(self, tokens: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([self.norm_e(self.embed(tokens)), self.norm_h(h)], dim=-1), h  # residual is h
+
+    def logits(self, o: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(o))
+
+
+class ChainDrafter(LearnedDrafter):
+    """Runtime for chain nets (EAGLE-3, MTP): rows for committed positions, then one row per draft."""
+
+    feature_offset = 1
+    net: ChainNet
+
+    def _new_state(self) -> FeatState:
+        H, n_aux = self.net.cfg.target_hidden_size, len(self.aux_layers)
+        return FeatState(pending=[torch.zeros(1, n_aux, H, dtype=self.dtype)])  # feature "of position −1"
+
+    def _forward(self, sts: list[FeatState], starts: list[int], toks: list[list[int]], h: torch.Tensor,
+                 last: list[int]) -> torch.Tensor:
+        """Rows toks[b] at positions starts[b].. with hidden inputs h (packed); outputs at `last`."""
+        slots = [self.kv.slots(st.page_table, s, s + len(t)) for st, s, t in zip(sts, starts, toks)]
+        ctx = [self.kv.slots(st.page_table, 0, s + len(t)) for st, s, t in zip(sts, starts, toks)]
+        fb = build_forward_batch(toks, starts, slots, ctx, None)
+        o = self.net.step(fb.input_ids, h, fb.positions, paged(self.net.layer, fb, self.kv.k[0], self.kv.v[0]))
+        return o[torch.tensor(last)]
+
+    @torch.no_grad()
+    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        active = []
+        for b, (req, w) in enumerate(zip(reqs, window)):
+            w = min(w, self.max_pos - req.seq_len)
+            if w <= 0 or not self._in_sync(req):
+                continue
+            try:
+                self.kv.ensure(self._st(req).page_table, req.seq_len + w - 1)
+            except OutOfPages:
+                continue  # no draft memory: plain decoding for this request this step
+            active.append((b, w))
+        if not active:
+            return Proposal.empty(len(reqs))
+        sts = [self._st(reqs[b]) for b, _ in active]
+        # step 0: the rows the target's features allow (newly committed positions, up to the anchor)
+        toks = [reqs[b].all_ids[st.done :] for (b, _), st in zip(active, sts)]
+        starts = [st.done for st in sts]
+        h = self.net.fuse(torch.cat([st.take() for st in sts]))
+        last = torch.tensor([len(t) for t in toks]).cumsum(0) - 1
+        o = self._forward(sts, starts, toks, h, last.tolist())
+        for st, t in zip(sts, toks):
+            st.done += len(t)
+        step = 0
+        while active:
+            logits = self.net.logits(o)
+            keep, keep_rows = [], []
+            for i, ((b, w), row) in enumerate(zip(active, logits)):
+                tok, q = self._choose(reqs[b], row, tokens[b])
+                tokens[b].append(tok)
+                if q is not None:
+                    qs[b].append(q)
+                if len(tokens[b]) < w:
+                    keep.append((b, w))
+                    keep_rows.append(i)
+            if not keep:
+                break
+            step += 1
+            sts = [self._st(reqs[b]) for b, _ in keep]  # chain rows sit beyond `done`: overwritten next round
+            o = self._forward(sts, [reqs[b].seq_len - 1 + step for b, _ in keep],
+                              [[tokens[b][-1]] for b, _ in keep], o[torch.tensor(keep_rows)], list(range(len(keep))))
+            active = keep
+        q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]
+        return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None)

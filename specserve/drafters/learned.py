@@ -1,0 +1,108 @@
+"""Shared runtime of the learned drafters: target features in, draft KV pool, token choice.
+
+Feature bookkeeping per request (NOTE: the invariant every learned drafter keeps):
+  `done`     draft-side rows/positions already built from target features;
+  `pending`  target features [n, n_aux, H] the target produced since (prefill chunks, then the
+             accepted prefix of each verify window), in position order, not yet consumed.
+The target hands over features only for committed positions, so nothing built from a rejected
+draft survives a step: rows the drafter writes for its own drafts sit beyond `done` and are
+overwritten by the next step's rows.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..cache.kv_pool import KVPool
+from ..core import Request
+from ..engine.sampling import sample, target_logits
+from .base import Drafter
+from .nets import DraftNet
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+
+
+@dataclass
+class FeatState:
+    page_table: list[int] = field(default_factory=list)
+    done: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(p) for p in self.pending)
+
+    def take(self) -> torch.Tensor:
+        out = torch.cat(self.pending) if len(self.pending) != 1 else self.pending[0]
+        self.pending = []
+        return out
+
+
+class LearnedDrafter(Drafter):
+    """Base of the chain (EAGLE-3, MTP) and block (DFlash, DSpark) runtimes."""
+
+    #: how `done` relates to committed_len when in sync: chain rows lag by one (row t pairs token
+    #: x_t with the feature of t − 1, seeded with a zero feature), block context does not.
+    feature_offset = 0
+
+    def __init__(self, engine: "Engine", net: DraftNet, label: str) -> None:
+        self.net, self.label = net.eval(), label
+        self.aux_layers: tuple[int, ...] = net.cfg.aux_layer_ids
+        self.dtype = next(net.parameters()).dtype
+        pages = engine.reserve_draft_kv(net.mcfg, self.dtype)
+        self.kv = KVPool(net.mcfg, pages, engine.config.page_size, self.dtype)
+        self.max_pos = net.cfg.max_position_embeddings
+        self.greedy_draft = os.environ.get("SPECSERVE_GREEDY_DRAFT", "0") == "1"
+        self.supplies_q = not self.greedy_draft
+        self.vocab = engine.model.cfg.vocab_size
+        self.state: dict[str, FeatState] = {}
+
+    def _new_state(self) -> FeatState:
+        return FeatState()
+
+    def _st(self, req: Request) -> FeatState:
+        st = self.state.get(req.request_id)
+        if st is None:
+            st = self.state[req.request_id] = self._new_state()
+        return st
+
+    def _in_sync(self, req: Request) -> bool:
+        st = self._st(req)
+        return st.done - self.feature_offset + st.num_pending == req.committed_len
+
+    def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
+        for (req, start, _), f in zip(chunks, feats or []):
+            st = self._st(req)
+            if st.done - self.feature_offset + st.num_pending == start:
+                st.pending.append(f.to(self.dtype))
+
+    def commit(self, reqs: list[Request], num_accepted: list[int], feats: list[torch.Tensor] | None = None) -> None:
+        for req, n, f in zip(reqs, num_accepted, feats or []):
+            st = self.state.get(req.request_id)
+            if st is None:  # finished in this step (released already)
+                continue
+            # verify covered positions committed_len_before .. +n (the last token and n accepted drafts)
+            if st.done - self.feature_offset + st.num_pending == req.committed_len - n - 1:
+                st.pending.append(f[: n + 1].to(self.dtype))
+
+    def release(self, req: Request) -> None:
+        st = self.state.pop(req.request_id, None)
+        if st is not None:
+            self.kv.release(st.page_table)
+
+    def _choose(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
+        """One draft token from draft-vocabulary logits [V_d], processed as the target processes its
+        row (penalties, temperature, top-k/p, min-p) so that q is the distribution it was drawn from."""
+        ids = self.net.draft_ids
+        if req.params.greedy or self.greedy_draft:
+            return int(ids[int(logits.argmax())]), None  # deterministic: verified one-hot
+        dt = torch.promote_types(logits.dtype, torch.float32)
+        full = logits.new_full((self.vocab,), float("-inf"), dtype=dt)
+        full[ids] = logits.to(dt)  # q is 0 outside the draft vocabulary
+        x = target_logits(full[None], req.params, req.prompt_ids, req.output_ids + drafts, [])[0]
+        q = torch.softmax(x, dim=-1)
+        return sample(q, req.generator), q

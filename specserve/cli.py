@@ -1,11 +1,13 @@
-"""`specserve` command line: generate, chat (interactive), serve (HTTP). Engine flags come from EngineConfig."""
+"""`specserve` command line: generate, chat (interactive), serve (HTTP), bench, train-drafter.
+Engine flags come from EngineConfig."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from .config import add_engine_args, config_from_args
+from .config import add_engine_args, config_from_args, env_name
 from .core import SamplingParams
 from .server.config import add_server_args, server_config_from_args
 
@@ -67,9 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _default_drafter(a: argparse.Namespace) -> None:
+    """serve/generate/chat speculate with the shipped drafter unless told otherwise (flag or env)."""
+    if a.speculative_algorithm is None and env_name("speculative_algorithm") not in os.environ:
+        a.speculative_algorithm = "AUTO"
+
+
 def _make_llm(a: argparse.Namespace):  # noqa: ANN202
     from .engine.llm import LLM
 
+    _default_drafter(a)
     try:
         return LLM.from_config(config_from_args(a, a.model))
     except (ValueError, FileNotFoundError) as e:
@@ -123,6 +132,7 @@ def cmd_chat(a: argparse.Namespace) -> None:
 def cmd_serve(a: argparse.Namespace) -> None:
     from .models.loader import resolve_model_path
 
+    _default_drafter(a)
     try:  # bad flags and a missing model fail here, before the port opens
         cfg, scfg = config_from_args(a, a.model), server_config_from_args(a)
         resolve_model_path(cfg.model)

@@ -35,7 +35,8 @@ class EngineConfig:
     seed: int = _f(0, "engine seed; unseeded requests draw their seeds from it")
     num_threads: int | None = _f(None, "torch intra-op threads (default: torch's choice)")
     speculative_algorithm: str | None = _f(None, "drafter: NGRAM, STANDALONE, EAGLE3 (EAGLE), MTP (NEXTN), DFLASH, "
-                                           "DSPARK, SYNTHETIC (tests/benchmarks only); NONE = plain decoding")
+                                           "DSPARK, SYNTHETIC (tests/benchmarks only); NONE = plain decoding; AUTO = the drafter shipped for "
+                                           "the target (DSPARK) if any (the default of serve/generate/chat)")
     speculative_draft_model_path: str | None = _f(None, "draft model for STANDALONE, or a drafter artifact dir for "
                                                   "EAGLE3/MTP/DFLASH/DSPARK (default: the one shipped for the target)")
     speculative_num_draft_tokens: int | None = _f(None, "draft tokens proposed per request per step (K; default 4, "
@@ -57,7 +58,7 @@ class EngineConfig:
             object.__setattr__(self, "speculative_algorithm", None)
         if algo is not None:
             algo = _ALGO_ALIASES.get(algo.upper(), algo.upper())
-            if algo not in SPEC_ALGORITHMS:
+            if algo not in SPEC_ALGORITHMS + ("AUTO",):
                 raise ValueError(f"--speculative-algorithm: unknown {self.speculative_algorithm!r}; "
                                  f"choose one of {', '.join(SPEC_ALGORITHMS)}")
             object.__setattr__(self, "speculative_algorithm", algo)

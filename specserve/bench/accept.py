@@ -6,6 +6,7 @@ temperature; writes JSON. Speed is not the point here (see `bench speed`).
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..config import config_from_args
 from ..core import SamplingParams
@@ -17,6 +18,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_prompt_args(p)
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--sampling-seed", type=int, default=0, help="per-request seed base at T > 0")
+    p.add_argument("--update-card", action="store_true",
+                   help="record the T=0 τ per workload in the drafter artifact's config.json and model card")
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -39,6 +42,13 @@ def run(a: argparse.Namespace) -> dict:
         _print(temp, row, llm.engine.drafter.label)
     path = record("accept", a, results, {"drafter": llm.engine.drafter.label, "model": cfg.model})
     print(f"wrote {path}")
+    art = getattr(llm.engine.drafter, "path", None)
+    if a.update_card and art is not None and "T=0.0" in results:
+        from ..train.evaluate import update_card
+
+        tau = {w: round(r["accept_length"], 3) for w, r in results["T=0.0"].items()}
+        update_card(art, tau, "specserve bench accept " + " ".join(sys.argv[3:]))
+        print(f"updated {art}/README.md")
     return results
 
 

@@ -123,6 +123,7 @@ def _factory(algorithm: str):  # noqa: ANN202
                              f"not {algorithm.upper()}; pass --speculative-algorithm {net.cfg.algorithm.upper()}")
         runtime = BlockDrafter if net.cfg.is_block else ChainDrafter
         drafter = runtime(engine, net, algorithm.upper())
+        drafter.path = Path(path)
         if net.cfg.is_block:
             drafter.default_num_draft_tokens = net.cfg.block_size - 1
         return drafter

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,6 +61,7 @@ class LearnedDrafter(Drafter):
         self.supplies_q = not self.greedy_draft
         self.vocab = engine.model.cfg.vocab_size
         self.state: dict[str, FeatState] = {}
+        self.path: Path | None = None  # the artifact it was loaded from
 
     def _new_state(self) -> FeatState:
         return FeatState()

@@ -11,6 +11,7 @@ Plain decoding is the same step with an empty proposal (window 0).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -48,6 +49,11 @@ class Engine:
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self._kv_budget = parse_memory(config.kv_cache_memory)
         self.drafter: Drafter | None = None
+        if config.speculative_algorithm == "AUTO":  # the drafter shipped for this target, if there is one
+            from ..drafters.artifact import shipped_drafter
+
+            algo = "DSPARK" if shipped_drafter(mcfg, "dspark") is not None else None
+            self.config = config = dataclasses.replace(config, speculative_algorithm=algo)
         if config.speculative_algorithm:
             self.drafter = create_drafter(config.speculative_algorithm, self)
             if config.speculative_accept == "block" and not self.drafter.supplies_q:

@@ -39,8 +39,8 @@ class LLM:
         self._attach(EngineConfig.from_sources({"model": model, **options}), None, None)
 
     def _attach(self, config: EngineConfig, model: Any, tokenizer: Any) -> None:
-        self.config = config
         self.engine = Engine(config, model=model, tokenizer=tokenizer)
+        self.config = self.engine.config  # AUTO resolved to the drafter actually used
         self.tokenizer = self.engine.tokenizer
 
     @classmethod

@@ -118,9 +118,10 @@ async def server_info(request: Request) -> Any:
             "page_size": eng.kv.page_size, "kv_slots": eng.kv.num_slots,
             "max_running_requests": srv.config.max_running_requests,
             "speculative": None if eng.drafter is None else {
-                "algorithm": srv.config.speculative_algorithm, "drafter": eng.drafter.label,
+                "algorithm": eng.config.speculative_algorithm, "drafter": eng.drafter.label,
                 "num_draft_tokens": eng.num_draft_tokens, "accept": srv.config.speculative_accept,
                 "verify_mode": eng.verify_mode, "supplies_q": eng.drafter.supplies_q,
+                "draft_model_path": str(getattr(eng.drafter, "path", "") or "") or None,
             },
         }
         if srv.engine.load_error is None and eng.drafter is not None:

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Reproduce the drafters shipped in specserve/drafters/shipped/ (SmolLM2-135M-Instruct targets).
+# Both runs share one work dir (regenerated ShareGPT responses + cached target features) and resume
+# from their checkpoints if interrupted. On the 2-core CPU VM they ran side by side, one thread each.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORK=${WORK:-$HOME/.cache/specserve/train/smollm2-135m}
+OUT=specserve/drafters/shipped
+COMMON=(--target smollm2-135m --work-dir "$WORK" --num-prompts 880 --max-len 640 --batch-tokens 2048 --threads "${THREADS:-1}")
+case "${1:-all}" in
+  dspark|all) .venv/bin/specserve train-drafter --algorithm dspark --out $OUT/smollm2-135m-dspark "${COMMON[@]}" \
+                --draft-vocab-size 16384 --block-size 8 --num-anchors 64 --gamma 4 --lr 1e-3 --steps 900 ;;&
+  eagle3|all) .venv/bin/specserve train-drafter --algorithm eagle3 --out $OUT/smollm2-135m-eagle3 "${COMMON[@]}" \
+                --draft-vocab-size 8192 --ttt-steps 4 --lr 1e-3 --steps 250 ;;
+esac

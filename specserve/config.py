@@ -43,8 +43,12 @@ class EngineConfig:
                                                   "block drafters: block size − 1)")
     speculative_dflash_block_size: int | None = _f(None, "DFLASH: block size at serving (≤ the trained one; default it)")
     speculative_dspark_block_size: int | None = _f(None, "DSPARK: block size at serving (≤ the trained one; default it)")
-    speculative_window: str = _f("fixed", "window policy: fixed = K for every request; cost = per-request windows "
-                                 "from acceptance so far and a measured verify-cost curve (0 = plain)", ("fixed", "cost"))
+    speculative_window: str = _f("fixed", "window policy: fixed = K for every request; confidence = the prefix whose "
+                                 "cumulative draft confidence stays >= --speculative-confidence-threshold; cost = "
+                                 "per-request windows maximising expected tokens per second of a measured verify-cost "
+                                 "curve (0 = plain)", ("fixed", "confidence", "cost"))
+    speculative_confidence_threshold: float = _f(0.2, "confidence window: keep draft positions while the cumulative "
+                                                 "acceptance probability is at least this")
     speculative_accept: str = _f("auto", "acceptance rule at temperature > 0 (greedy always at 0)", ACCEPT_RULES)
     speculative_ngram_min_match: int = _f(1, "NGRAM: shortest suffix to match")
     speculative_ngram_max_match: int = _f(4, "NGRAM: longest suffix to match")
@@ -76,6 +80,8 @@ class EngineConfig:
                 raise ValueError(f"--{flag(name)} must be >= 2 (an anchor and at least one MASK), got {getattr(self, name)}")
         if self.speculative_ngram_max_match < self.speculative_ngram_min_match:
             raise ValueError("--speculative-ngram-max-match must be >= --speculative-ngram-min-match")
+        if not 0.0 <= self.speculative_confidence_threshold <= 1.0:
+            raise ValueError("--speculative-confidence-threshold must be in [0, 1]")
         if not 0.0 <= self.speculative_synthetic_accept_rate <= 1.0:
             raise ValueError("--speculative-synthetic-accept-rate must be in [0, 1]")
         if self.speculative_algorithm == "STANDALONE" and not self.speculative_draft_model_path:

@@ -194,3 +194,28 @@ def test_sampled_drafts_match_target_distribution(tmp_path: Path, algo: str, rul
     assert tv <= 1.5 * tv_ref + 0.015, f"TV {tv:.4f} vs reference-sample TV {tv_ref:.4f}"
     assert sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0
     assert llm.engine.drafter.supplies_q
+
+
+def test_auto_without_a_shipped_drafter_decodes_plainly() -> None:
+    llm = LLM.from_model(_target(), speculative_algorithm="AUTO", kv_cache_memory="512KiB")
+    assert llm.engine.drafter is None and llm.config.speculative_algorithm is None
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5))
+    assert out[0].token_ids == reference_greedy(llm.engine.model, [1, 2, 3], 5)
+
+
+@pytest.mark.parametrize("algo,policy", [("dspark", "confidence"), ("dspark", "cost"), ("dflash", "confidence"),
+                                         ("eagle3", "confidence")])
+def test_window_policies_stay_lossless_and_never_stall(trained: dict, algo: str, policy: str) -> None:
+    """Windows cut after drafting (ragged, sometimes 0) keep greedy equality, and a request whose
+    windows were 0 for a while drafts again afterwards (no stale draft state)."""
+    rng = random.Random(11)
+    plan = [(i % 3, [rng.randrange(97) for _ in range(rng.randint(1, 20))], SamplingParams(temperature=0, max_tokens=40))
+            for i in range(5)]
+    llm = _spec_llm(trained, algo, speculative_window=policy, speculative_confidence_threshold=0.3)
+    reqs = drive(llm, plan)
+    for (_, prompt, _), r in zip(plan, reqs):
+        assert r.output_ids == reference_greedy(llm.engine.model, prompt, 40)
+    counts = llm.engine.stats.window_counts
+    assert counts[0] > 0 and sum(counts[1:]) > 0, counts
+    if policy == "confidence":  # (the cost policy may rightly find a tiny model's drafts not worth verifying)
+        assert sum(r.spec_accepted_tokens for r in reqs) > 0

@@ -54,3 +54,52 @@ def test_spec_equals_plain_on_smollm2(algo: str, prompt_ids: list[list[int]], pl
     outs = spec.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain
     assert sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0
+
+
+@pytest.fixture(scope="module")
+def smollm2_drafters(tmp_path_factory, llm: LLM) -> dict[str, str]:  # noqa: ANN001
+    """The shipped DSpark and EAGLE-3 drafters; a DFlash made from the shipped DSpark by dropping its
+    Markov and confidence heads (a DFlash net is exactly that); an untrained MTP module."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file, save_file
+
+    from specserve.drafters.artifact import build_net, read_config, save_drafter, shipped_drafter
+    from specserve.drafters.nets import DrafterConfig
+
+    cfg = llm.engine.model.cfg
+    out = {a: str(shipped_drafter(cfg, a.lower())) for a in ("DSPARK", "EAGLE3")}
+    tmp = tmp_path_factory.mktemp("smollm2-drafters")
+    src = shipped_drafter(cfg, "dspark")
+    dcfg = replace(read_config(src), algorithm="dflash", markov_rank=0)
+    sd = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if not k.startswith(("markov", "conf"))}
+    (tmp / "dflash").mkdir()
+    save_file(sd, str(tmp / "dflash" / "model.safetensors"))
+    (tmp / "dflash" / "config.json").write_text(dcfg.to_json())
+    torch.manual_seed(0)
+    save_drafter(build_net(DrafterConfig.for_target("mtp", cfg)), tmp / "mtp", "untrained, for tests")
+    out.update(DFLASH=str(tmp / "dflash"), MTP=str(tmp / "mtp"))
+    return out
+
+
+@pytest.mark.parametrize("algo", ["DSPARK", "EAGLE3", "DFLASH", "MTP"])
+def test_learned_drafters_equal_plain_on_smollm2(algo: str, smollm2_drafters: dict[str, str],
+                                                 prompt_ids: list[list[int]], plain: list[list[int]]) -> None:
+    spec = LLM("smollm2-135m", dtype="float32", speculative_algorithm=algo,
+               speculative_draft_model_path=smollm2_drafters[algo])
+    outs = spec.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain
+    if algo != "MTP":  # trained drafters get real acceptance
+        tau = sum(o.meta_info["spec_accept_length"] for o in outs) / len(outs)
+        assert tau > 1.5, tau
+
+
+def test_shipped_dspark_is_the_cli_default() -> None:
+    from specserve.cli import _default_drafter, build_parser
+
+    a = build_parser().parse_args(["generate", "--prompt", "x"])
+    _default_drafter(a)
+    llm = LLM("smollm2-135m", speculative_algorithm=a.speculative_algorithm)
+    assert a.speculative_algorithm == "AUTO" and llm.engine.drafter.label == "DSPARK"
+    assert llm.config.speculative_algorithm == "DSPARK" and llm.engine.num_draft_tokens == 7
+    assert LLM("smollm2-135m", speculative_algorithm="none").engine.drafter is None

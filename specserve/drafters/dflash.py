@@ -76,6 +76,7 @@ class BlockDrafter(LearnedDrafter):
     """Runtime for block nets (DFlash, DSpark)."""
 
     net: DFlashNet
+    drafts_block = True
 
     def _write_context(self, reqs: list[Request]) -> None:
         """Turn pending target features into context K/V of every draft layer (all requests at once)."""
@@ -133,6 +134,8 @@ class BlockDrafter(LearnedDrafter):
             if t is not None:
                 logits = logits + t
             c = self.net.confidence(o[:, k], logits)
+            if c is None:  # DFlash: the draft probability of its chosen (argmax) token
+                c = torch.softmax(logits, dim=-1).amax(dim=-1)
             for i, (b, w) in enumerate(active):
                 if k < w:
                     tok, q = self._choose(reqs[b], logits[i], tokens[b])

@@ -88,6 +88,7 @@ class ChainDrafter(LearnedDrafter):
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        conf: list[list[torch.Tensor]] = [[] for _ in reqs]  # draft probability of each chosen token
         active = []
         for b, (req, w) in enumerate(zip(reqs, window)):
             w = min(w, self.max_pos - req.seq_len)
@@ -112,9 +113,11 @@ class ChainDrafter(LearnedDrafter):
         step = 0
         while active:
             logits = self.net.logits(o)
+            top = torch.softmax(logits, dim=-1).amax(dim=-1)
             keep, keep_rows = [], []
             for i, ((b, w), row) in enumerate(zip(active, logits)):
                 tok, q = self._choose(reqs[b], row, tokens[b])
+                conf[b].append(top[i])
                 tokens[b].append(tok)
                 if q is not None:
                     qs[b].append(q)
@@ -129,4 +132,5 @@ class ChainDrafter(LearnedDrafter):
                               [[tokens[b][-1]] for b, _ in keep], o[torch.tensor(keep_rows)], list(range(len(keep))))
             active = keep
         q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]
-        return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None)
+        return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None,
+                        confidence=[torch.stack(c) if c else None for c in conf])

@@ -27,7 +27,7 @@ from ..models import LlamaModel, build_model
 from ..models.config import ModelConfig
 from ..spec.rules import accept_request
 from ..spec.verify import verify, verify_mode
-from ..spec.window import CostModel, StepOverhead, cost_windows
+from ..spec.window import CostModel, StepOverhead, accept_curves, confidence_windows, cost_windows
 from .output import Emitter
 from .runner import ModelRunner, split_features
 from .scheduler import Scheduler
@@ -193,14 +193,24 @@ class Engine:
     def _decode(self, reqs: list[Request]) -> list[Request]:
         t0 = time.perf_counter()
         window = [self._window(r) for r in reqs]
-        if self.cost_model is not None:
+        policy, predicted = self.config.speculative_window, 0.0
+        # block drafters draft their whole block at once: windows are then chosen after drafting
+        after = self.drafter is not None and (policy == "confidence" or (policy == "cost" and self.drafter.drafts_block))
+        if self.cost_model is not None and not after:
             window, predicted = cost_windows(reqs, window, self.cost_model, self.draft_cost_model,
                                              self.step_overhead.per_request)
-        for r, w in zip(reqs, window):
-            r.spec_decode_steps += 1
-            self.stats.record_window(w)
         proposal = self.drafter.propose(reqs, window) if self.drafter and any(window) else Proposal.empty(len(reqs))
+        if after:
+            curves = accept_curves(reqs, proposal.confidence, [min(len(d), w) for d, w in zip(proposal.tokens, window)])
+            if policy == "confidence":
+                window = confidence_windows(curves, self.config.speculative_confidence_threshold)
+            else:
+                window, predicted = cost_windows(reqs, [len(c) for c in curves], self.cost_model, None,
+                                                 self.step_overhead.per_request, curves)
         drafts = [d[:w] for d, w in zip(proposal.tokens, window)]
+        for r, d in zip(reqs, drafts):
+            r.spec_decode_steps += 1
+            self.stats.record_window(len(d))
         qs = proposal.q or [None] * len(reqs)
         aux = self.drafter.aux_layers if self.drafter else ()
         logits, feats = verify(self.runner, reqs, Proposal(tokens=drafts), self.verify_mode, aux)

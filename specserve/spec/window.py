@@ -1,6 +1,10 @@
 """Window policy: how many draft tokens each request verifies this step.
 
 `fixed` (default): every request gets K (bounded by its pages, max_tokens and the context).
+`confidence`: the drafter drafts K, then each request keeps the prefix whose cumulative draft
+confidence Π_{j≤i} c_j (DSpark's confidence head; otherwise the draft probability of each chosen
+token; for drafters with neither, the request's acceptance so far) stays ≥
+--speculative-confidence-threshold: windows become ragged across the batch.
 `cost`: choose per-request windows k_b that maximise expected emitted tokens per second of verify,
 
     maximise  Σ_b E_b(k_b) / t(Σ_b (k_b + 1)),    E_b(k) = (1 − α_b^{k+1}) / (1 − α_b)
@@ -11,6 +15,9 @@ draft position with the largest marginal gain α_b^{k_b+1} while the ratio impro
 is plain decoding for that request, so the batch is never planned slower than plain decoding.
 Model drafters (STANDALONE, SYNTHETIC) add their own measured forward time per draft position, and
 what the curves miss per drafting request is learned online from measured steps (StepOverhead).
+Block drafters (DFlash, DSpark) draft their whole block in one forward whatever the window, so for
+them the windows are chosen after drafting, with the marginal gains taken from the cumulative
+draft confidence of each position instead of α_b^{k+1}.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import torch
 
 from ..core import Request
 
-WINDOW_POLICIES = ("fixed", "cost")
+WINDOW_POLICIES = ("fixed", "confidence", "cost")
 
 
 @dataclass
@@ -100,15 +107,38 @@ class StepOverhead:
             self.per_request = self.decay * self.per_request + (1 - self.decay) * per
 
 
+def accept_curves(reqs: list[Request], confidence: list[torch.Tensor | None] | None, lengths: list[int]) -> list[list[float]]:
+    """Per request, P(draft positions 1..i all accepted) for i = 1..lengths[b]: the cumulative product
+    of the drafter's per-token confidence, or α^i from the request's acceptance so far."""
+    out = []
+    for b, (r, n) in enumerate(zip(reqs, lengths)):
+        c = confidence[b] if confidence is not None else None
+        if c is not None and len(c) >= n:
+            out.append(torch.cumprod(c[:n].double().clamp(0.0, 1.0), 0).tolist())
+        else:
+            a = min(acceptance_estimate(r), 0.999)
+            out.append([a ** (i + 1) for i in range(n)])
+    return out
+
+
+def confidence_windows(curves: list[list[float]], threshold: float) -> list[int]:
+    """The longest prefix whose cumulative acceptance probability stays ≥ threshold."""
+    return [sum(1 for p in c if p >= threshold) for c in curves]  # curves are non-increasing
+
+
 def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_step: CostModel | None = None,
-                 per_request: float = 0.0) -> tuple[list[int], float]:
+                 per_request: float = 0.0, gains: list[list[float]] | None = None) -> tuple[list[int], float]:
     """Greedy maximisation of expected tokens per second (module docstring). With `draft_step`
     (a model drafter's forward time over m tokens), a step also pays draft_step(#drafting) for each
     draft position up to the longest window, since model drafters draft position by position;
     `per_request` (StepOverhead) is charged for every drafting request.
+    `gains[b][j]`: P(positions 1..j+1 accepted) (from `accept_curves`); default α_b^{j+1}.
     Returns the windows and the curves' predicted step time for them (without `per_request`)."""
     alphas = [min(acceptance_estimate(r), 0.999) for r in reqs]
     k = [0] * len(reqs)
+
+    def gain(b: int, j: int) -> float:
+        return gains[b][j] if gains is not None else alphas[b] ** (j + 1)
 
     def curves(n_tokens: int, active: int, longest: int) -> float:
         return cost(n_tokens) + (draft_step(active) * longest if draft_step is not None and longest else 0.0)
@@ -118,14 +148,14 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
     best = tokens / curves(n, active, longest)
     while True:
         # largest marginal gain first; among equals, one that does not lengthen the longest window
-        cands = [(alphas[b] ** (k[b] + 1), -(k[b] + 1 > longest), b) for b in range(len(reqs)) if k[b] < limits[b]]
+        cands = [(gain(b, k[b]), -(k[b] + 1 > longest), b) for b in range(len(reqs)) if k[b] < limits[b]]
         if not cands:
             break
-        gain, _, b = max(cands)
+        g, _, b = max(cands)
         a2, l2 = active + (k[b] == 0), max(longest, k[b] + 1)
-        ratio = (tokens + gain) / (curves(n + 1, a2, l2) + per_request * a2)
+        ratio = (tokens + g) / (curves(n + 1, a2, l2) + per_request * a2)
         if ratio <= best:
             break
         k[b] += 1
-        tokens, n, active, longest, best = tokens + gain, n + 1, a2, l2, ratio
+        tokens, n, active, longest, best = tokens + g, n + 1, a2, l2, ratio
     return k, curves(n, active, longest)

@@ -25,8 +25,8 @@ from specserve.engine.llm import LLM
 from specserve.models.llama import LlamaModel
 from specserve.train.data import FeatureCapture
 from specserve.train.trainer import run as train
+from tests.dist import engine_vs_exact_joint
 from tests.test_spec_engine import drive
-from tests.test_standalone import _exact_joint, _tv
 from tests.tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
 
 ALGOS = ["eagle3", "mtp", "dflash", "dspark"]
@@ -179,18 +179,7 @@ def test_sampled_drafts_match_target_distribution(tmp_path: Path, algo: str, rul
     llm = LLM(target, dtype="float64", speculative_algorithm=algo.upper(), speculative_draft_model_path=str(tmp_path / "d"),
               speculative_num_draft_tokens=3, speculative_accept=rule, max_running_requests=256)
     base = SamplingParams(temperature=6.0, max_tokens=L, top_p=0.95)
-    prompt = [1, 2]
-    exact = _exact_joint(llm.engine.model, prompt, L, base)
-    outs = llm.generate([prompt] * N, [SamplingParams(**{**base.__dict__, "seed": s}) for s in range(N)])
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    keys, w = list(exact), torch.tensor(list(exact.values()))
-    ref = torch.multinomial(w, N, replacement=True, generator=torch.Generator().manual_seed(0)).tolist()
-    ref_counts: dict = {}
-    for i in ref:
-        ref_counts[keys[i]] = ref_counts.get(keys[i], 0) + 1
-    tv, tv_ref = _tv(counts, exact, N), _tv(ref_counts, exact, N)
+    tv, tv_ref, outs = engine_vs_exact_joint(llm, [1, 2], L, base, N)
     assert tv <= 1.5 * tv_ref + 0.015, f"TV {tv:.4f} vs reference-sample TV {tv_ref:.4f}"
     assert sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0
     assert llm.engine.drafter.supplies_q

@@ -7,6 +7,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 
+from .dist import engine_vs_exact_joint
 from .tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
 
 
@@ -97,36 +98,6 @@ def test_standalone_needs_path() -> None:
         LLM("x", speculative_algorithm="STANDALONE")
 
 
-def _exact_joint(model, prompt: list[int], length: int, params: SamplingParams) -> dict[tuple[int, ...], float]:  # noqa: ANN001
-    """Exact distribution of the first `length` tokens under `params` (enumeration, full recompute)."""
-    from specserve.cache.kv_pool import KVPool
-    from specserve.engine.runner import ModelRunner
-    from specserve.engine.sampling import target_logits
-
-    def probs(ids: list[int]) -> torch.Tensor:
-        kv = KVPool(model.cfg, 4, 16, model.dtype)
-        pt: list[int] = []
-        kv.ensure(pt, len(ids))
-        logits, _ = ModelRunner(model, kv).forward([pt], [0], [ids], [[len(ids) - 1]])
-        x = target_logits(logits[0], params, prompt, ids[len(prompt):], [])
-        return torch.softmax(x, dim=-1)[0]
-
-    joint = {(): 1.0}
-    for _ in range(length):
-        nxt = {}
-        for seq, pr in joint.items():
-            for t, pt_ in enumerate(probs(prompt + list(seq)).tolist()):
-                if pt_ > 0:
-                    nxt[seq + (t,)] = pr * pt_
-        joint = nxt
-    return joint
-
-
-def _tv(counts: dict, exact: dict, n: int) -> float:
-    keys = set(counts) | set(exact)
-    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
-
-
 @pytest.mark.parametrize("rule", ["sample", "block", "onehot"])
 def test_standalone_sampling_matches_target_distribution(tmp_path, rule: str) -> None:  # noqa: ANN001
     """Sampled drafts with real q through the whole engine reproduce the exact target joint."""
@@ -137,18 +108,7 @@ def test_standalone_sampling_matches_target_distribution(tmp_path, rule: str) ->
     llm = LLM(target, dtype="float64", speculative_algorithm="STANDALONE", speculative_draft_model_path=draft,
               speculative_num_draft_tokens=3, speculative_accept=rule, max_running_requests=256)
     base = SamplingParams(temperature=6.0, max_tokens=L, top_p=0.95)  # tiny models are peaked: flatten
-    prompt = [1, 2]
-    exact = _exact_joint(llm.engine.model, prompt, L, base)
-    outs = llm.generate([prompt] * N, [SamplingParams(**{**base.__dict__, "seed": s}) for s in range(N)])
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    keys, w = list(exact), torch.tensor(list(exact.values()))
-    ref = torch.multinomial(w, N, replacement=True, generator=torch.Generator().manual_seed(0)).tolist()
-    ref_counts: dict = {}
-    for i in ref:
-        ref_counts[keys[i]] = ref_counts.get(keys[i], 0) + 1
-    tv, tv_ref = _tv(counts, exact, N), _tv(ref_counts, exact, N)
+    tv, tv_ref, outs = engine_vs_exact_joint(llm, [1, 2], L, base, N)
     print(f"{rule}: TV {tv:.4f}, reference-sample TV {tv_ref:.4f}")
     assert tv <= 1.5 * tv_ref + 0.015, f"TV {tv:.4f} vs reference-sample TV {tv_ref:.4f}"
     assert sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0

@@ -72,14 +72,17 @@ class LearnedDrafter(Drafter):
             st = self.state[req.request_id] = self._new_state()
         return st
 
+    def _covered(self, st: FeatState) -> int:
+        """Positions whose target features the drafter holds (built into its state or pending)."""
+        return st.done - self.feature_offset + st.num_pending
+
     def _in_sync(self, req: Request) -> bool:
-        st = self._st(req)
-        return st.done - self.feature_offset + st.num_pending == req.committed_len
+        return self._covered(self._st(req)) == req.committed_len
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         for (req, start, _), f in zip(chunks, feats or []):
             st = self._st(req)
-            if st.done - self.feature_offset + st.num_pending == start:
+            if self._covered(st) == start:
                 st.pending.append(f.to(self.dtype))
 
     def commit(self, reqs: list[Request], num_accepted: list[int], feats: list[torch.Tensor] | None = None) -> None:
@@ -88,7 +91,7 @@ class LearnedDrafter(Drafter):
             if st is None:  # finished in this step (released already)
                 continue
             # verify covered positions committed_len_before .. +n (the last token and n accepted drafts)
-            if st.done - self.feature_offset + st.num_pending == req.committed_len - n - 1:
+            if self._covered(st) == req.committed_len - n - 1:
                 st.pending.append(f[: n + 1].to(self.dtype))
 
     def release(self, req: Request) -> None:

@@ -11,5 +11,5 @@ case "${1:-all}" in
   dspark|all) .venv/bin/specserve train-drafter --algorithm dspark --out $OUT/smollm2-135m-dspark "${COMMON[@]}" \
                 --draft-vocab-size 16384 --block-size 8 --num-anchors 64 --gamma 4 --lr 1e-3 --steps 900 ;;&
   eagle3|all) .venv/bin/specserve train-drafter --algorithm eagle3 --out $OUT/smollm2-135m-eagle3 "${COMMON[@]}" \
-                --draft-vocab-size 8192 --ttt-steps 4 --lr 1e-3 --steps 250 ;;
+                --draft-vocab-size 8192 --ttt-steps 4 --lr 1e-3 --steps 170 ;;
 esac

@@ -91,7 +91,7 @@ def test_learned_drafters_equal_plain_on_smollm2(algo: str, smollm2_drafters: di
     assert [o.token_ids for o in outs] == plain
     if algo != "MTP":  # trained drafters get real acceptance
         tau = sum(o.meta_info["spec_accept_length"] for o in outs) / len(outs)
-        assert tau > 1.5, tau
+        assert tau > 1.1, tau
 
 
 def test_shipped_dspark_is_the_cli_default() -> None:

@@ -35,7 +35,7 @@ def run(a: argparse.Namespace) -> dict:
         for name, convs in workloads(a).items():
             sps = [SamplingParams(temperature=temp, max_tokens=a.max_new_tokens, seed=a.sampling_seed + i)
                    for i in range(len(convs))]
-            outs = llm.chat(convs, sps)
+            outs = llm.chat(convs, sps, use_tqdm=True)
             row[name] = acceptance(o.meta_info for o in outs)
         row["macro_mean"] = {"accept_length": sum(r["accept_length"] for r in row.values()) / len(row)}
         results[f"T={temp}"] = row

@@ -190,11 +190,12 @@ class Engine:
         left = min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.seq_len) - 1
         return max(0, min(self.num_draft_tokens, room, left))
 
-    def _decode(self, reqs: list[Request]) -> list[Request]:
-        t0 = time.perf_counter()
+    def _draft(self, reqs: list[Request]) -> tuple[Proposal, list[int], float]:
+        """DRAFT under the window policy: (proposal, windows, the cost curves' predicted step time).
+        Block drafters draft their whole block in one forward, so `confidence` (and `cost`, for them)
+        choose windows after drafting, from the per-token confidence."""
         window = [self._window(r) for r in reqs]
         policy, predicted = self.config.speculative_window, 0.0
-        # block drafters draft their whole block at once: windows are then chosen after drafting
         after = self.drafter is not None and (policy == "confidence" or (policy == "cost" and self.drafter.drafts_block))
         if self.cost_model is not None and not after:
             window, predicted = cost_windows(reqs, window, self.cost_model, self.draft_cost_model,
@@ -207,6 +208,11 @@ class Engine:
             else:
                 window, predicted = cost_windows(reqs, [len(c) for c in curves], self.cost_model, None,
                                                  self.step_overhead.per_request, curves)
+        return proposal, window, predicted
+
+    def _decode(self, reqs: list[Request]) -> list[Request]:
+        t0 = time.perf_counter()
+        proposal, window, predicted = self._draft(reqs)
         drafts = [d[:w] for d, w in zip(proposal.tokens, window)]
         for r, d in zip(reqs, drafts):
             r.spec_decode_steps += 1

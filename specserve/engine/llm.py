@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from tqdm import tqdm
+
 from ..config import EngineConfig
 from ..core import Completion, Request, RequestOutput, SamplingParams
 from .engine import Engine
@@ -68,6 +70,7 @@ class LLM:
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         plist: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
@@ -78,10 +81,11 @@ class LLM:
         ids = [self._encode(p) for p in plist]
         for p in sps:
             p.validate(self.engine.model.cfg.vocab_size)
-        return self._run(plist, ids, sps)
+        return self._run(plist, ids, sps, use_tqdm)
 
     def chat(
         self, conversations: list[dict] | Sequence[list[dict]], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """OpenAI-style message lists; the model's chat template is applied with a generation prompt."""
         convs = [conversations] if conversations and isinstance(conversations[0], dict) else list(conversations)
@@ -91,9 +95,10 @@ class LLM:
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         sp = sampling_params or SamplingParams()
         sps = [sp] * len(convs) if isinstance(sp, SamplingParams) else list(sp)
-        return self._run(texts, ids, sps)
+        return self._run(texts, ids, sps, use_tqdm)
 
-    def _run(self, prompts: Sequence[Prompt], ids: list[list[int]], sps: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(self, prompts: Sequence[Prompt], ids: list[list[int]], sps: list[SamplingParams],
+             use_tqdm: bool = False) -> list[RequestOutput]:
         eng = self.engine
         groups: list[list[Request]] = []
         try:
@@ -108,8 +113,11 @@ class LLM:
                 for r in g:
                     eng.abort(r.request_id)
             raise
+        bar = tqdm(total=sum(len(g) for g in groups), desc="requests", unit="req", disable=not use_tqdm)
         while eng.has_unfinished():
             eng.step()
+            bar.update(sum(len(g) for g in groups) - len(eng.requests) - bar.n)
+        bar.close()
         return [
             RequestOutput(g[0].request_id, p if isinstance(p, str) else None, pid,
                           [self._completion(i, r) for i, r in enumerate(g)])

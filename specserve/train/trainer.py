@@ -134,7 +134,7 @@ def run(a: argparse.Namespace) -> Path:
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = work / f"{a.algorithm}-checkpoint.pt"
-    step, gen = 0, torch.Generator().manual_seed(a.seed)
+    step, gen, before = 0, torch.Generator().manual_seed(a.seed), 0.0  # before: training seconds of earlier runs
     if ckpt.exists():
         blob = torch.load(ckpt, weights_only=False)
         if blob["config"] == cfg.to_json():
@@ -142,11 +142,12 @@ def run(a: argparse.Namespace) -> Path:
             opt.load_state_dict(blob["opt"])
             step = blob["step"]
             gen.set_state(blob["gen"])
+            before = blob.get("elapsed", 0.0)
             print(f"resumed from {ckpt} at step {step}")
     log_path = work / f"{a.algorithm}-train-log.jsonl"
     stream = batches(seqs, a.batch_tokens, gen)
     bar = tqdm(total=a.steps, initial=step, desc=f"train {a.algorithm}", unit="step")
-    t0 = time.time()
+    t0 = time.time() - before
     while step < a.steps:
         for g in opt.param_groups:
             g["lr"] = _lr(step, a.steps, a.lr)
@@ -171,7 +172,7 @@ def run(a: argparse.Namespace) -> Path:
                 f.write(json.dumps(rec) + "\n")
         if step % a.checkpoint_every == 0 or step == a.steps:
             torch.save({"config": cfg.to_json(), "net": net.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "gen": gen.get_state()}, ckpt)
+                        "gen": gen.get_state(), "elapsed": time.time() - t0}, ckpt)
     bar.close()
     return _finish(a, net, cfg, target, tok, train_recs, eval_recs, log_path)
 

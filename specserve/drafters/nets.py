@@ -138,7 +138,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return o[0].transpose(0, 1).reshape(q.shape[0], -1)
 
 
-def paged(layer: DraftLayer, fb: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):  # noqa: ANN201
+def paged(fb: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):  # noqa: ANN201
     """An `attend(q, k, v)` that goes through the drafter's KV pool (serving)."""
     return lambda q, k, v: paged_attention(q, k, v, fb, k_cache, v_cache)
 

@@ -68,6 +68,8 @@ class Engine:
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory!r} is too small for one KV page of this model")
         self.kv = KVPool(mcfg, pages, config.page_size, self.dtype)
         self.runner = ModelRunner(model, self.kv)
+        # target layers whose hidden states the drafter consumes; () = capture nothing
+        self.aux_layers: tuple[int, ...] = self.drafter.aux_layers if self.drafter else ()
         k = config.speculative_num_draft_tokens
         self.num_draft_tokens = (self.drafter.default_num_draft_tokens if k is None else k) if self.drafter else 0
         self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests, self.num_draft_tokens)
@@ -172,7 +174,7 @@ class Engine:
     def _prefill(self, chunks: list[tuple[Request, int]]) -> list[Request]:
         starts = [r.committed_len for r, _ in chunks]
         sample_first = [r.committed_len + n == r.prefill_target and not r.output_ids for r, n in chunks]
-        aux = self.drafter.aux_layers if self.drafter else ()
+        aux = self.aux_layers
         logits, captured = self.runner.forward(
             [r.page_table for r, _ in chunks], starts, [r.all_ids[s : s + n] for (r, n), s in zip(chunks, starts)],
             [[n - 1] if f else [] for (_, n), f in zip(chunks, sample_first)], tuple(sorted(aux)))
@@ -221,8 +223,7 @@ class Engine:
             r.spec_decode_steps += 1
             self.stats.record_window(len(d))
         qs = proposal.q or [None] * len(reqs)
-        aux = self.drafter.aux_layers if self.drafter else ()
-        logits, feats = verify(self.runner, reqs, Proposal(tokens=drafts), self.verify_mode, aux)
+        logits, feats = verify(self.runner, reqs, Proposal(tokens=drafts), self.verify_mode, self.aux_layers)
         accepted = []
         for r, raw, d, q in zip(reqs, logits, drafts, qs):
             res = accept_request(r, raw, d, None if q is None else q[: len(d)], self.config.speculative_accept)

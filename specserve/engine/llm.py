@@ -113,10 +113,11 @@ class LLM:
                 for r in g:
                     eng.abort(r.request_id)
             raise
-        bar = tqdm(total=sum(len(g) for g in groups), desc="requests", unit="req", disable=not use_tqdm)
+        total = sum(len(g) for g in groups)
+        bar = tqdm(total=total, desc="requests", unit="req", disable=not use_tqdm)
         while eng.has_unfinished():
             eng.step()
-            bar.update(sum(len(g) for g in groups) - len(eng.requests) - bar.n)
+            bar.update(total - len(eng.requests) - bar.n)
         bar.close()
         return [
             RequestOutput(g[0].request_id, p if isinstance(p, str) else None, pid,

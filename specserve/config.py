@@ -40,9 +40,17 @@ class EngineConfig:
     speculative_draft_model_path: str | None = _f(None, "draft model for STANDALONE, or a drafter artifact dir for "
                                                   "EAGLE3/MTP/DFLASH/DSPARK (default: the one shipped for the target)")
     speculative_num_draft_tokens: int | None = _f(None, "draft tokens proposed per request per step (K; default 4, "
-                                                  "block drafters: block size − 1)")
+                                                  "block drafters: block size − 1; trees: nodes besides the root, "
+                                                  "default 8)")
+    speculative_num_steps: int | None = _f(None, "EAGLE3/MTP: draft depth (chain length with topk 1; tree depth, "
+                                           "default 4, with topk > 1)")
+    speculative_eagle_topk: int = _f(1, "EAGLE3/MTP: children per expanded node; > 1 drafts an EAGLE-2 dynamic "
+                                     "tree (1 = chain)")
     speculative_dflash_block_size: int | None = _f(None, "DFLASH: block size at serving (≤ the trained one; default it)")
     speculative_dspark_block_size: int | None = _f(None, "DSPARK: block size at serving (≤ the trained one; default it)")
+    speculative_lattice_topk: int = _f(0, "DFLASH/DSPARK: rerank each drafted block over the top-k candidates per "
+                                       "offset by dynamic programming (per-offset log-probs + Markov transition "
+                                       "scores); 0 = off")
     speculative_window: str = _f("fixed", "window policy: fixed = K for every request; confidence = the prefix whose "
                                  "cumulative draft confidence stays >= --speculative-confidence-threshold; cost = "
                                  "per-request windows maximising expected tokens per second of a measured verify-cost "
@@ -78,6 +86,24 @@ class EngineConfig:
         for name in ("speculative_dflash_block_size", "speculative_dspark_block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 2:
                 raise ValueError(f"--{flag(name)} must be >= 2 (an anchor and at least one MASK), got {getattr(self, name)}")
+        if self.speculative_num_steps is not None and not 1 <= self.speculative_num_steps <= 32:
+            raise ValueError(f"--speculative-num-steps must be in [1, 32], got {self.speculative_num_steps}")
+        if not 1 <= self.speculative_eagle_topk <= 16:
+            raise ValueError(f"--speculative-eagle-topk must be in [1, 16], got {self.speculative_eagle_topk}")
+        if self.speculative_eagle_topk > 1:
+            if self.speculative_algorithm not in ("EAGLE3", "MTP"):
+                raise ValueError("--speculative-eagle-topk > 1 drafts EAGLE-2 trees, which need "
+                                 f"--speculative-algorithm EAGLE3 or MTP (got {self.speculative_algorithm})")
+            if self.speculative_accept == "block":
+                raise ValueError("--speculative-accept block verifies chains; trees (--speculative-eagle-topk > 1) "
+                                 "use their own lossless walk: use auto")
+            k, d = self.speculative_eagle_topk, self.speculative_num_steps or 4
+            m = self.speculative_num_draft_tokens
+            if m is not None and not 1 <= m <= k + (d - 1) * k * k:
+                raise ValueError(f"--speculative-num-draft-tokens must be in [1, {k + (d - 1) * k * k}] for a tree of "
+                                 f"depth {d} and topk {k}, got {m}")
+        if not 0 <= self.speculative_lattice_topk <= 64:
+            raise ValueError(f"--speculative-lattice-topk must be in [0, 64], got {self.speculative_lattice_topk}")
         if self.speculative_ngram_max_match < self.speculative_ngram_min_match:
             raise ValueError("--speculative-ngram-max-match must be >= --speculative-ngram-min-match")
         if not 0.0 <= self.speculative_confidence_threshold <= 1.0:

@@ -157,7 +157,9 @@ class Proposal:
     tokens: list[list[int]]
     q: list[torch.Tensor | None] | None = None
     confidence: list[torch.Tensor | None] | None = None
-    parents: list[list[int] | None] | None = None  # tree drafts (adaptive verification issue)
+    # tree drafts (EAGLE-2): parents[b][i] = index of node i's parent (−1 = the root, the last token);
+    # nodes are in topological order, so any prefix of a tree proposal is a tree (spec/tree.py)
+    parents: list[list[int] | None] | None = None
 
     @staticmethod
     def empty(batch_size: int) -> "Proposal":
@@ -172,6 +174,7 @@ class AcceptResult:
     tokens: list[int]
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # e.g. NaN in this request's logits: fail it alone
+    path: list[int] | None = None  # trees: the accepted node indices, root's child first
 
 
 def count_per_pos(per_pos: list[int], num_draft: int, num_accepted: int) -> None:

@@ -17,56 +17,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specserve.cli import build_parser
 from specserve.core import SamplingParams
 from specserve.drafters.artifact import build_net, load_drafter, save_drafter
 from specserve.drafters.nets import DrafterConfig
 from specserve.engine.llm import LLM
 from specserve.models.llama import LlamaModel
 from specserve.train.data import FeatureCapture
-from specserve.train.trainer import run as train
 from tests.dist import engine_vs_exact_joint
 from tests.test_spec_engine import drive
 from tests.tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
 
-ALGOS = ["eagle3", "mtp", "dflash", "dspark"]
-CFG = tiny_config(layers=4)
-
-
-def _sd() -> dict[str, torch.Tensor]:
-    """A tiny target whose layers add little to the residual stream: its greedy text is ~90% a
-    bigram chain, which a drafter can learn in seconds (a random function of context is not)."""
-    sd = tiny_state_dict(CFG, 0, scale=0.5)
-    return {k: v * 0.3 if (".mlp." in k or "o_proj" in k) else v for k, v in sd.items()}
-
-
-def _target() -> LlamaModel:
-    m = LlamaModel(CFG, torch.float64)
-    m.load_weights(_sd())
-    return m
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:  # noqa: ANN001
-    """Train all four drafters briefly on responses the tiny target wrote itself."""
-    tmp = tmp_path_factory.mktemp("drafters")
-    tdir = save_tiny_hf_dir(CFG, _sd(), tmp / "target")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(3, 10))] for _ in range(48)]
-    outs = LLM(tdir).generate(prompts, SamplingParams(temperature=0, max_tokens=40))
-    work = tmp / "work"
-    work.mkdir()
-    (work / "responses.jsonl").write_text("".join(
-        json.dumps({"index": i, "prompt_ids": p, "response_ids": o.outputs[0].token_ids}) + "\n"
-        for i, (p, o) in enumerate(zip(prompts, outs))))
-    arts = {}
-    for algo in ALGOS:
-        arts[algo] = tmp / algo
-        train(build_parser().parse_args([
-            "train-drafter", "--target", tdir, "--algorithm", algo, "--out", str(arts[algo]), "--work-dir", str(work),
-            "--num-prompts", "48", "--steps", "40", "--batch-tokens", "256", "--lr", "3e-3", "--eval-prompts", "4",
-            "--eval-tokens", "24", "--draft-vocab-size", "64" if algo != "mtp" else "97", "--checkpoint-every", "20"]))
-    return {"target": tdir, "work": work, "artifacts": arts}
+from tests.drafter_setup import ALGOS, CFG, _spec_llm, _target  # noqa: F401  (the `trained` fixture: conftest.py)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -105,12 +66,6 @@ def test_mismatched_drafter_is_refused(trained: dict, tmp_path: Path) -> None:
                        speculative_draft_model_path=str(trained["artifacts"]["dspark"]))
 
 
-def _spec_llm(trained: dict, algo: str, **kw) -> LLM:  # noqa: ANN003
-    kw.setdefault("kv_cache_memory", "512KiB")
-    return LLM.from_model(_target(), speculative_algorithm=algo.upper(),
-                          speculative_draft_model_path=str(trained["artifacts"][algo]), **kw)
-
-
 @pytest.mark.parametrize("algo,opts", [
     ("eagle3", {}), ("eagle3", {"speculative_num_draft_tokens": 1}), ("eagle3", {"speculative_num_draft_tokens": 7}),
     ("mtp", {}), ("dflash", {}), ("dflash", {"speculative_dflash_block_size": 3}),
@@ -129,10 +84,12 @@ def test_greedy_equals_plain(trained: dict, algo: str, opts: dict) -> None:
     assert llm.engine.drafter.state == {} and llm.engine.drafter.kv.allocator.num_free == llm.engine.drafter.kv.allocator.num_pages
 
 
-@pytest.mark.parametrize("algo", ALGOS)
-def test_draft_state_matches_recomputed(trained: dict, algo: str) -> None:
-    """After each step, every draft K/V row below `done` equals one recomputed from scratch."""
-    llm = _spec_llm(trained, algo)
+@pytest.mark.parametrize("algo,opts", [(a, {}) for a in ALGOS] + [
+    ("eagle3", {"speculative_eagle_topk": 3, "speculative_num_steps": 3}), ("mtp", {"speculative_eagle_topk": 2})])
+def test_draft_state_matches_recomputed(trained: dict, algo: str, opts: dict) -> None:
+    """After each step, every draft K/V row below `done` equals one recomputed from scratch
+    (trees: the rows of the accepted path, whichever branch it took)."""
+    llm = _spec_llm(trained, algo, **opts)
     dr, net = llm.engine.drafter, llm.engine.drafter.net
     cap = FeatureCapture(llm.engine.model, net.cfg.aux_layer_ids, 256)
     checked = []
@@ -161,10 +118,14 @@ def test_draft_state_matches_recomputed(trained: dict, algo: str) -> None:
     assert len(checked) > 10
 
 
-@pytest.mark.parametrize("algo,rule", [("eagle3", "sample"), ("mtp", "sample"), ("dflash", "block"),
-                                       ("dspark", "sample"), ("dspark", "block")])
-def test_sampled_drafts_match_target_distribution(tmp_path: Path, algo: str, rule: str) -> None:
-    """Sampled drafts with the drafter's real q through the whole engine reproduce the exact joint."""
+@pytest.mark.parametrize("algo,rule,opts", [
+    ("eagle3", "sample", {}), ("mtp", "sample", {}), ("dflash", "block", {}), ("dspark", "sample", {}),
+    ("dspark", "block", {}),
+    ("eagle3", "auto", {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 5}),
+])
+def test_sampled_drafts_match_target_distribution(tmp_path: Path, algo: str, rule: str, opts: dict) -> None:
+    """Sampled drafts with the drafter's real q through the whole engine reproduce the exact joint
+    (trees: deterministic top-k children walked by sample-and-match)."""
     V, L, N = 3, 5, 2500
     cfg = tiny_config("llama", vocab=V, layers=2)
     target = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=11), tmp_path / "t")
@@ -177,7 +138,7 @@ def test_sampled_drafts_match_target_distribution(tmp_path: Path, algo: str, rul
             p.add_(torch.randn_like(p) * 0.3)  # a random drafter: a context-dependent q ≠ p
     save_drafter(net, tmp_path / "d", "", torch.float64)
     llm = LLM(target, dtype="float64", speculative_algorithm=algo.upper(), speculative_draft_model_path=str(tmp_path / "d"),
-              speculative_num_draft_tokens=3, speculative_accept=rule, max_running_requests=256)
+              speculative_accept=rule, max_running_requests=256, **{"speculative_num_draft_tokens": 3, **opts})
     base = SamplingParams(temperature=6.0, max_tokens=L, top_p=0.95)
     tv, tv_ref, outs = engine_vs_exact_joint(llm, [1, 2], L, base, N)
     assert tv <= 1.5 * tv_ref + 0.015, f"TV {tv:.4f} vs reference-sample TV {tv_ref:.4f}"
@@ -192,15 +153,19 @@ def test_auto_without_a_shipped_drafter_decodes_plainly() -> None:
     assert out[0].token_ids == reference_greedy(llm.engine.model, [1, 2, 3], 5)
 
 
-@pytest.mark.parametrize("algo,policy", [("dspark", "confidence"), ("dspark", "cost"), ("dflash", "confidence"),
-                                         ("eagle3", "confidence")])
-def test_window_policies_stay_lossless_and_never_stall(trained: dict, algo: str, policy: str) -> None:
+TREE = {"speculative_eagle_topk": 3, "speculative_num_steps": 3}
+
+
+@pytest.mark.parametrize("algo,policy,opts", [
+    ("dspark", "confidence", {}), ("dspark", "cost", {}), ("dflash", "confidence", {}), ("eagle3", "confidence", {}),
+    ("eagle3", "confidence", TREE), ("eagle3", "cost", TREE)])
+def test_window_policies_stay_lossless_and_never_stall(trained: dict, algo: str, policy: str, opts: dict) -> None:
     """Windows cut after drafting (ragged, sometimes 0) keep greedy equality, and a request whose
     windows were 0 for a while drafts again afterwards (no stale draft state)."""
     rng = random.Random(11)
     plan = [(i % 3, [rng.randrange(97) for _ in range(rng.randint(1, 20))], SamplingParams(temperature=0, max_tokens=40))
             for i in range(5)]
-    llm = _spec_llm(trained, algo, speculative_window=policy, speculative_confidence_threshold=0.3)
+    llm = _spec_llm(trained, algo, speculative_window=policy, speculative_confidence_threshold=0.3, **opts)
     reqs = drive(llm, plan)
     for (_, prompt, _), r in zip(plan, reqs):
         assert r.output_ids == reference_greedy(llm.engine.model, prompt, 40)

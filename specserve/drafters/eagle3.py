@@ -8,7 +8,7 @@ Draft vocabulary: the draft_vocab_size most frequent response tokens; d2t maps t
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -18,6 +18,10 @@ from ..cache.kv_pool import OutOfPages
 from ..models.forward_batch import build_forward_batch
 from .learned import FeatState, LearnedDrafter
 from .nets import DraftLayer, DraftNet, DrafterConfig, paged
+from .tree import draft_tree
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -66,50 +70,70 @@ class Eagle3Net(ChainNet):
 
 
 class ChainDrafter(LearnedDrafter):
-    """Runtime for chain nets (EAGLE-3, MTP): rows for committed positions, then one row per draft."""
+    """Runtime for chain nets (EAGLE-3, MTP): rows for committed positions, then one row per draft
+    (a chain), or with --speculative-eagle-topk > 1 an EAGLE-2 dynamic tree (drafters/tree.py)."""
 
     feature_offset = 1
     net: ChainNet
+
+    def __init__(self, engine: "Engine", net: DraftNet, label: str) -> None:
+        super().__init__(engine, net, label)
+        c = engine.config
+        self.topk = c.speculative_eagle_topk
+        self.steps = c.speculative_num_steps or (4 if self.topk > 1 else 0)
+        if self.topk > 1:
+            self.default_num_draft_tokens = 8
+        elif self.steps:
+            self.default_num_draft_tokens = self.steps
 
     def _new_state(self) -> FeatState:
         H, n_aux = self.net.cfg.target_hidden_size, len(self.aux_layers)
         return FeatState(pending=[torch.zeros(1, n_aux, H, dtype=self.dtype)])  # feature "of position −1"
 
-    def _forward(self, sts: list[FeatState], starts: list[int], toks: list[list[int]], h: torch.Tensor,
-                 last: list[int]) -> torch.Tensor:
-        """Rows toks[b] at positions starts[b].. with hidden inputs h (packed); outputs at `last`."""
-        slots = [self.kv.slots(st.page_table, s, s + len(t)) for st, s, t in zip(sts, starts, toks)]
-        ctx = [self.kv.slots(st.page_table, 0, s + len(t)) for st, s, t in zip(sts, starts, toks)]
-        fb = build_forward_batch(toks, starts, slots, ctx, None)
-        o = self.net.step(fb.input_ids, h, fb.positions, paged(fb, self.kv.k[0], self.kv.v[0]))
-        return o[torch.tensor(last)]
+    def forward_rows(self, sts: list[FeatState], toks: list[list[int]], h: torch.Tensor, slot_starts: list[int],
+                     positions: list[list[int]] | None = None, masks: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Rows toks[b] written at draft positions slot_starts[b].. (their RoPE positions too, unless
+        `positions`), hidden inputs h (packed); returns every row's output (packed)."""
+        ends = [s + len(t) for s, t in zip(slot_starts, toks)]
+        slots = [self.kv.slots(st.page_table, s, e) for st, s, e in zip(sts, slot_starts, ends)]
+        ctx = [self.kv.slots(st.page_table, 0, e) for st, e in zip(sts, ends)]
+        fb = build_forward_batch(toks, slot_starts, slots, ctx, None, positions=positions, masks=masks)
+        return self.net.step(fb.input_ids, h, fb.positions, paged(fb, self.kv.k[0], self.kv.v[0]))
 
-    @torch.no_grad()
-    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
-        tokens: list[list[int]] = [[] for _ in reqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        conf: list[list[torch.Tensor]] = [[] for _ in reqs]  # draft probability of each chosen token
+    def _root(self, reqs: list[Request], window: list[int], room: int) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+        """Requests that draft this step (index, window) and the draft output at each one's last
+        token: rows for the newly committed positions (target features), up to the anchor.
+        `room`: draft slots needed past the anchor."""
         active = []
         for b, (req, w) in enumerate(zip(reqs, window)):
             w = min(w, self.max_pos - req.seq_len)
             if w <= 0 or not self._in_sync(req):
                 continue
             try:
-                self.kv.ensure(self._st(req).page_table, req.seq_len + w - 1)
+                self.kv.ensure(self._st(req).page_table, req.seq_len + room(w))
             except OutOfPages:
                 continue  # no draft memory: plain decoding for this request this step
             active.append((b, w))
         if not active:
-            return Proposal.empty(len(reqs))
+            return active, None
         sts = [self._st(reqs[b]) for b, _ in active]
-        # step 0: the rows the target's features allow (newly committed positions, up to the anchor)
         toks = [reqs[b].all_ids[st.done :] for (b, _), st in zip(active, sts)]
-        starts = [st.done for st in sts]
         h = self.net.fuse(torch.cat([st.take() for st in sts]))
-        last = torch.tensor([len(t) for t in toks]).cumsum(0) - 1
-        o = self._forward(sts, starts, toks, h, last.tolist())
+        o = self.forward_rows(sts, toks, h, [st.done for st in sts])
         for st, t in zip(sts, toks):
             st.done += len(t)
+        return active, o[torch.tensor([len(t) for t in toks]).cumsum(0) - 1]
+
+    @torch.no_grad()
+    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+        if self.topk > 1:
+            return draft_tree(self, reqs, window)
+        active, o = self._root(reqs, window, lambda w: w - 1)
+        if not active:
+            return Proposal.empty(len(reqs))
+        tokens: list[list[int]] = [[] for _ in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        conf: list[list[torch.Tensor]] = [[] for _ in reqs]  # draft probability of each chosen token
         step = 0
         while active:
             logits = self.net.logits(o)
@@ -128,9 +152,10 @@ class ChainDrafter(LearnedDrafter):
                 break
             step += 1
             sts = [self._st(reqs[b]) for b, _ in keep]  # chain rows sit beyond `done`: overwritten next round
-            o = self._forward(sts, [reqs[b].seq_len - 1 + step for b, _ in keep],
-                              [[tokens[b][-1]] for b, _ in keep], o[torch.tensor(keep_rows)], list(range(len(keep))))
+            o = self.forward_rows(sts, [[tokens[b][-1]] for b, _ in keep], o[torch.tensor(keep_rows)],
+                                  [reqs[b].seq_len - 1 + step for b, _ in keep])
             active = keep
         q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]
         return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None,
                         confidence=[torch.stack(c) if c else None for c in conf])
+

@@ -26,6 +26,7 @@ from ..drafters.base import Drafter, create_drafter
 from ..models import LlamaModel, build_model
 from ..models.config import ModelConfig
 from ..spec.rules import accept_request
+from ..spec.tree import compact_path
 from ..spec.verify import verify, verify_mode
 from ..spec.window import CostModel, StepOverhead, accept_curves, confidence_windows, cost_windows
 from .output import Emitter
@@ -197,17 +198,19 @@ class Engine:
 
     def _draft(self, reqs: list[Request]) -> tuple[Proposal, list[int], float]:
         """DRAFT under the window policy: (proposal, windows, the cost curves' predicted step time).
-        Block drafters draft their whole block in one forward, so `confidence` (and `cost`, for them)
-        choose windows after drafting, from the per-token confidence."""
+        Block drafters draft their whole block in one forward and trees cost their depth, so for
+        them `confidence` and `cost` choose windows after drafting, from the per-token confidence."""
         window = [self._window(r) for r in reqs]
         policy, predicted = self.config.speculative_window, 0.0
-        after = self.drafter is not None and (policy == "confidence" or (policy == "cost" and self.drafter.drafts_block))
+        whole = self.drafter is not None and (self.drafter.drafts_block or self.config.speculative_eagle_topk > 1)
+        after = self.drafter is not None and (policy == "confidence" or (policy == "cost" and whole))
         if self.cost_model is not None and not after:
             window, predicted = cost_windows(reqs, window, self.cost_model, self.draft_cost_model,
                                              self.step_overhead.per_request)
         proposal = self.drafter.propose(reqs, window) if self.drafter and any(window) else Proposal.empty(len(reqs))
         if after:
-            curves = accept_curves(reqs, proposal.confidence, [min(len(d), w) for d, w in zip(proposal.tokens, window)])
+            curves = accept_curves(reqs, proposal.confidence, [min(len(d), w) for d, w in zip(proposal.tokens, window)],
+                                   proposal.parents)
             if policy == "confidence":
                 window = confidence_windows(curves, self.config.speculative_confidence_threshold)
             else:
@@ -219,14 +222,23 @@ class Engine:
         t0 = time.perf_counter()
         proposal, window, predicted = self._draft(reqs)
         drafts = [d[:w] for d, w in zip(proposal.tokens, window)]
+        # a prefix of a tree proposal is a tree (nodes are in topological order)
+        parents = [p[:w] if p is not None else None for p, w in zip(proposal.parents or [None] * len(reqs), window)]
         for r, d in zip(reqs, drafts):
             r.spec_decode_steps += 1
             self.stats.record_window(len(d))
         qs = proposal.q or [None] * len(reqs)
-        logits, feats = verify(self.runner, reqs, Proposal(tokens=drafts), self.verify_mode, self.aux_layers)
+        logits, feats = verify(self.runner, reqs, Proposal(tokens=drafts, parents=parents if proposal.parents else None),
+                               self.verify_mode, self.aux_layers)
         accepted = []
-        for r, raw, d, q in zip(reqs, logits, drafts, qs):
-            res = accept_request(r, raw, d, None if q is None else q[: len(d)], self.config.speculative_accept)
+        for b, (r, raw, d, q, par) in enumerate(zip(reqs, logits, drafts, qs, parents)):
+            res = accept_request(r, raw, d, None if q is None else q[: len(d)], self.config.speculative_accept, par)
+            if res.path is not None:  # tree: keep the accepted path's rows, in path order
+                compact_path(self.kv, r.page_table, r.committed_len, res.path)
+                rows = torch.tensor([0] + [v + 1 for v in res.path])
+                raw = raw[rows]
+                if feats is not None:
+                    feats[b] = feats[b][rows]
             if res.error is None:
                 r.committed_len += res.num_accepted + 1  # COMMIT: KV of last + accepted drafts is final
             accepted.append(self._apply(r, res, raw, len(d)))

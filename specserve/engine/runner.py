@@ -29,9 +29,13 @@ class ModelRunner:
         tokens: list[list[int]],
         logits_offsets: list[list[int]],
         capture_layers: tuple[int, ...] = (),
+        positions: list[list[int]] | None = None,
+        masks: list[torch.Tensor] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Write KV for tokens[b] at positions starts[b].. and return, per request, the logits
         [len(logits_offsets[b]), V] at those offsets into tokens[b] (logits are computed only there).
+        Trees: `positions` (RoPE) and `masks` ([n_b, starts[b] + n_b]) replace the causal defaults;
+        the K/V still land in slots starts[b]...
         NOTE: the caller has ensured page_tables cover starts[b] + len(tokens[b]) positions."""
         slot_lists, ctx_lists, logits_index = [], [], []
         base = 0
@@ -41,7 +45,7 @@ class ModelRunner:
             slot_lists.append(ctx[s:])
             logits_index.extend(base + o for o in offs)
             base += len(toks)
-        fb = build_forward_batch(tokens, starts, slot_lists, ctx_lists, logits_index)
+        fb = build_forward_batch(tokens, starts, slot_lists, ctx_lists, logits_index, positions=positions, masks=masks)
         hidden, captured = self.model(fb, self.kv.k, self.kv.v, capture_layers)
         logits = self.model.compute_logits(hidden) if len(logits_index) else hidden.new_zeros(0, 0)
         return list(logits.split([len(o) for o in logits_offsets])), captured

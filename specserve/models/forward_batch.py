@@ -36,14 +36,22 @@ def build_forward_batch(
     ctx_slot_lists: list[list[int]],
     logits_index: list[int] | None,
     causal: bool = True,
+    positions: list[list[int]] | None = None,
+    masks: list[torch.Tensor] | None = None,
+    ctx_first: list[int] | None = None,
+    window: int | None = None,
 ) -> ForwardBatch:
     """Build a ForwardBatch.
 
     token_lists[b]: new tokens of request b, at positions start_positions[b] + i.
     slot_lists[b]: KV slots for those tokens. ctx_slot_lists[b]: slots of positions
-    0 .. start+len-1 (the whole context including the new tokens, which are written first).
+    ctx_first[b] .. start+len-1 (default from 0: the whole context including the new tokens,
+    which are written first).
     causal=False: every new token sees the whole context and all new tokens of its request
     (block drafters' bidirectional block).
+    positions[b] (trees): RoPE positions of the new tokens when they are not start + i (siblings
+    share a depth). masks[b] (trees): an explicit [len(tokens[b]), len(ctx[b])] bool mask that
+    replaces the causal one. window: a query at position p sees only context positions > p − window.
     NOTE: every query row attends at least to itself, so no softmax row is empty (no NaN).
     """
     B = len(token_lists)
@@ -51,9 +59,9 @@ def build_forward_batch(
     q_max = max(q_lens)
     L = max(len(c) for c in ctx_slot_lists)
     ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long)
-    pos = torch.tensor(
-        [s + i for s, ts in zip(start_positions, token_lists) for i in range(len(ts))], dtype=torch.long
-    )
+    if positions is None:
+        positions = [list(range(s, s + len(ts))) for s, ts in zip(start_positions, token_lists)]
+    pos = torch.tensor([p for ps in positions for p in ps], dtype=torch.long)
     slots = torch.tensor([s for ss in slot_lists for s in ss], dtype=torch.long)
     offs = torch.arange(q_max)
     qlen_t = torch.tensor(q_lens)
@@ -63,20 +71,27 @@ def build_forward_batch(
     ctx = torch.zeros(B, L, dtype=torch.long)
     for b, c in enumerate(ctx_slot_lists):
         ctx[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-    start_t = torch.tensor(start_positions)
-    q_pos = start_t[:, None] + offs[None, :]  # [B, q_max]
-    kv_pos = torch.arange(L)
-    if causal:
-        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # causal over absolute positions
+    first = torch.tensor(ctx_first if ctx_first is not None else [0] * B)
+    kv_pos = first[:, None] + torch.arange(L)[None, :]  # [B, L] absolute position of each context entry
+    q_pos = torch.zeros(B, q_max, dtype=torch.long)  # [B, q_max]
+    q_pos[q_valid] = pos
+    ctx_lens = torch.tensor([len(c) for c in ctx_slot_lists])
+    in_ctx = torch.arange(L)[None, :] < ctx_lens[:, None]  # [B, L]
+    if masks is not None:
+        mask = torch.zeros(B, q_max, L, dtype=torch.bool)
+        for b, m in enumerate(masks):
+            mask[b, : m.shape[0], : m.shape[1]] = m
+    elif causal:
+        mask = kv_pos[:, None, :] <= q_pos[:, :, None]  # causal over absolute positions
     else:
-        ends = torch.tensor([len(c) for c in ctx_slot_lists])
-        mask = (kv_pos[None, :] < ends[:, None])[:, None, :].expand(B, q_max, L).clone()
-    mask &= q_valid[:, :, None]
+        mask = in_ctx[:, None, :].expand(B, q_max, L).clone()
+    if window is not None:
+        mask &= kv_pos[:, None, :] > q_pos[:, :, None] - window
+    mask &= q_valid[:, :, None] & in_ctx[:, None, :]
     mask[:, :, 0] |= ~q_valid  # padded rows attend to slot 0 only: finite, discarded
-    ctx_lens = [len(c) for c in ctx_slot_lists]
     uniform = q_max if min(q_lens) == q_max else None
     # decode with equal contexts: every query sees every slot, so SDPA needs no mask at all
-    no_mask = (uniform == 1 or not causal) and min(ctx_lens) == L
+    no_mask = (uniform == 1 or not causal) and int(ctx_lens.min()) == L and masks is None and window is None
     return ForwardBatch(
         input_ids=ids,
         positions=pos,

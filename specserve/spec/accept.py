@@ -10,9 +10,12 @@ The emitted tokens are x_1..x_n, y; acceptance length = n + 1.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..engine.sampling import sample
+from .tree import children_of
 
 
 def accept_greedy(logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
@@ -88,3 +91,27 @@ def accept_block(p: torch.Tensor, q: torch.Tensor, draft: list[int], gen: torch.
         return k, sample(p[k], gen)
     r = resid[tau]
     return tau, sample(r if r.sum() > 0 else pd[tau], gen)
+
+
+def walk_tree(dist: Callable[[int, list[int]], torch.Tensor], tokens: list[int], parents: list[int], greedy: bool,
+              gen: torch.Generator | None) -> tuple[list[int], int]:
+    """Tree acceptance for deterministic children (ALGORITHMS.md §3.4 and §3.5 A), one request.
+
+    dist(row, path_tokens): the processed target row at verify row `row` (0 = root, node i = i + 1)
+    given the accepted path so far — logits at T = 0, probabilities otherwise. From the root: draw
+    y ~ P_v (argmax at T = 0); if a child of v carries y, move there and repeat, else emit y and stop.
+    Each emitted token is an exact draw from the target given the tokens before it, whatever the
+    tree holds: P(move to child c) = P_v(token c), and the emitted y is P_v restricted to non-children
+    renormalised times P(no child) = P_v itself. Returns (accepted node path, correction/bonus token).
+    """
+    kids = children_of(parents)
+    v, path, hist = -1, [], []
+    while True:
+        x = dist(v + 1, hist)
+        y = int(x.argmax()) if greedy else sample(x, gen)
+        c = next((c for c in kids.get(v, ()) if tokens[c] == y), None)
+        if c is None:
+            return path, y
+        path.append(c)
+        hist.append(y)
+        v = c

@@ -9,7 +9,7 @@ import torch
 
 from ..core import AcceptResult, Request
 from ..engine.sampling import target_logits
-from .accept import accept_block, accept_greedy, accept_onehot, accept_sample
+from .accept import accept_block, accept_greedy, accept_onehot, accept_sample, walk_tree
 
 
 def choose_rule(greedy: bool, has_q: bool, configured: str) -> str:
@@ -20,21 +20,49 @@ def choose_rule(greedy: bool, has_q: bool, configured: str) -> str:
     return "block" if configured == "block" else ("onehot" if configured == "onehot" else "sample")
 
 
-def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.Tensor | None, configured: str) -> AcceptResult:
+def _probs(x: torch.Tensor) -> torch.Tensor:
+    # at least fp32 (ALGORITHMS.md §1.1 note 2): a bf16 softmax does not sum to 1, and q.to(bf16)
+    # would round the fp32 q the draft was sampled from — both bias the ratio test
+    return torch.softmax(x.double() if x.dtype == torch.float64 else x.float(), dim=-1)
+
+
+_BAD_P = "sampling distribution is NaN/Inf after penalties and temperature; request failed"
+
+
+def accept_tree(req: Request, raw: torch.Tensor, draft: list[int], parents: list[int]) -> AcceptResult:
+    """Tree drafts (deterministic top-k children): walk from the root, each visited row processed
+    with the accepted path as its history (penalties see exactly what plain decoding would)."""
+    def dist(row: int, hist: list[int]) -> torch.Tensor:
+        x = target_logits(raw[row : row + 1], req.params, req.prompt_ids, req.output_ids + hist, [])[0]
+        if req.params.greedy:
+            return x
+        p = _probs(x)
+        if not bool(torch.isfinite(p).all()):
+            raise ValueError(_BAD_P)
+        return p
+
+    try:
+        path, y = walk_tree(dist, draft, parents, req.params.greedy, req.generator)
+    except ValueError as e:
+        return AcceptResult(0, [], error=str(e))
+    return AcceptResult(len(path), [draft[v] for v in path] + [y], path=path)
+
+
+def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.Tensor | None, configured: str,
+                   parents: list[int] | None = None) -> AcceptResult:
     """raw: target logits [k+1, V] from verify. NaN/Inf fails this request only."""
     if not bool(torch.isfinite(raw).all()):
         return AcceptResult(0, [], error="target logits contain NaN/Inf for this request; request failed")
+    if parents is not None:
+        return accept_tree(req, raw, draft, parents)
     x = target_logits(raw, req.params, req.prompt_ids, req.output_ids, draft)
     rule = choose_rule(req.params.greedy, q is not None, configured)
     if rule == "greedy":
         n, y = accept_greedy(x, draft)
     else:
-        # at least fp32 (ALGORITHMS.md §1.1 note 2): a bf16 softmax does not sum to 1, and q.to(bf16)
-        # would round the fp32 q the draft was sampled from — both bias the ratio test
-        p = torch.softmax(x.double() if x.dtype == torch.float64 else x.float(), dim=-1)
+        p = _probs(x)
         if not bool(torch.isfinite(p).all()):
-            return AcceptResult(0, [], error="sampling distribution is NaN/Inf after penalties and temperature; "
-                                             "request failed")
+            return AcceptResult(0, [], error=_BAD_P)
         if rule == "onehot":
             n, y = accept_onehot(p, draft, req.generator)
         elif rule == "sample":

@@ -4,6 +4,8 @@ SPECSERVE_RAGGED_VERIFY_MODE=compact (default) packs the windows back to back, s
 layers see exactly sum(k_b + 1) tokens; `padded` pads every window to the batch's longest (the
 simple rectangle; the pad tokens' K/V land beyond committed_len and are overwritten later).
 Logits are computed only at the k_b + 1 positions each request needs.
+Tree proposals (`proposal.parents`) verify every node in the same forward: RoPE position = the
+root's + depth, attention to the cached prefix and to the node's ancestors (spec/tree.py).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from ..core import Proposal, Request
 from ..engine.runner import ModelRunner, split_features
+from .tree import ancestor_mask, chain_parents, depths
 
 VERIFY_MODES = ("compact", "padded")
 
@@ -37,7 +40,17 @@ def verify(runner: ModelRunner, reqs: list[Request], proposal: Proposal, mode: s
             # never write past this request's pages, nor past the model's last position (RoPE table)
             room = min(len(r.page_table) * ps, runner.model.cfg.max_position_embeddings) - r.committed_len
             w.extend([w[-1]] * (min(width, room) - len(w)))
+    positions = masks = None
+    if proposal.parents is not None and any(p is not None for p in proposal.parents):
+        positions, masks = [], []
+        for r, w, par in zip(reqs, windows, proposal.parents):
+            # pad nodes (padded mode) hang off the root; their rows are never read
+            par = (par if par is not None else chain_parents(len(w) - 1))
+            par = par + [-1] * (len(w) - 1 - len(par))
+            L = r.committed_len
+            positions.append([L] + [L + d for d in depths(par)])
+            masks.append(torch.cat([torch.ones(len(w), L, dtype=torch.bool), ancestor_mask(par)], dim=1))
     logits, captured = runner.forward([r.page_table for r in reqs], [r.committed_len for r in reqs], windows,
-                                      offsets, tuple(sorted(capture_layers)))
+                                      offsets, tuple(sorted(capture_layers)), positions, masks)
     feats = split_features(captured, capture_layers, [len(w) for w in windows]) if capture_layers else None
     return logits, feats

@@ -15,9 +15,10 @@ draft position with the largest marginal gain α_b^{k_b+1} while the ratio impro
 is plain decoding for that request, so the batch is never planned slower than plain decoding.
 Model drafters (STANDALONE, SYNTHETIC) add their own measured forward time per draft position, and
 what the curves miss per drafting request is learned online from measured steps (StepOverhead).
-Block drafters (DFlash, DSpark) draft their whole block in one forward whatever the window, so for
-them the windows are chosen after drafting, with the marginal gains taken from the cumulative
-draft confidence of each position instead of α_b^{k+1}.
+Block drafters (DFlash, DSpark) draft their whole block in one forward whatever the window, and
+EAGLE-2 trees cost their depth whatever the node count, so for them the windows are chosen after
+drafting, with the marginal gains taken from the cumulative draft confidence of each position
+(tree: of each node's path) instead of α_b^{k+1}.
 """
 from __future__ import annotations
 
@@ -107,13 +108,22 @@ class StepOverhead:
             self.per_request = self.decay * self.per_request + (1 - self.decay) * per
 
 
-def accept_curves(reqs: list[Request], confidence: list[torch.Tensor | None] | None, lengths: list[int]) -> list[list[float]]:
+def accept_curves(reqs: list[Request], confidence: list[torch.Tensor | None] | None, lengths: list[int],
+                  parents: list[list[int] | None] | None = None) -> list[list[float]]:
     """Per request, P(draft positions 1..i all accepted) for i = 1..lengths[b]: the cumulative product
-    of the drafter's per-token confidence, or α^i from the request's acceptance so far."""
+    of the drafter's per-token confidence, or α^i from the request's acceptance so far. For a tree
+    (parents[b]) entry i is P(node i accepted) = the product over its path, which is non-increasing
+    in the tree's best-first order, so cutting a prefix keeps the most likely nodes."""
     out = []
     for b, (r, n) in enumerate(zip(reqs, lengths)):
         c = confidence[b] if confidence is not None else None
-        if c is not None and len(c) >= n:
+        par = parents[b] if parents is not None else None
+        if c is not None and len(c) >= n and par is not None:
+            v: list[float] = []
+            for i, x in enumerate(c[:n].double().clamp(0.0, 1.0).tolist()):
+                v.append(x * (v[par[i]] if par[i] >= 0 else 1.0))
+            out.append(v)
+        elif c is not None and len(c) >= n:
             out.append(torch.cumprod(c[:n].double().clamp(0.0, 1.0), 0).tolist())
         else:
             a = min(acceptance_estimate(r), 0.999)

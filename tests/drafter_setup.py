@@ -1,0 +1,59 @@
+"""Tiny trained drafters shared by the drafter test modules (the `trained` fixture lives in conftest.py,
+session-scoped, so the four drafters are trained once per test run)."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from specserve.cli import build_parser
+from specserve.core import SamplingParams
+from specserve.engine.llm import LLM
+from specserve.models.llama import LlamaModel
+from specserve.train.trainer import run as train
+from tests.tiny import save_tiny_hf_dir, tiny_config, tiny_state_dict
+
+ALGOS = ["eagle3", "mtp", "dflash", "dspark"]
+CFG = tiny_config(layers=4)
+
+
+def _sd() -> dict[str, torch.Tensor]:
+    """A tiny target whose layers add little to the residual stream: its greedy text is ~90% a
+    bigram chain, which a drafter can learn in seconds (a random function of context is not)."""
+    sd = tiny_state_dict(CFG, 0, scale=0.5)
+    return {k: v * 0.3 if (".mlp." in k or "o_proj" in k) else v for k, v in sd.items()}
+
+
+def _target() -> LlamaModel:
+    m = LlamaModel(CFG, torch.float64)
+    m.load_weights(_sd())
+    return m
+
+
+def train_all(tmp: Path) -> dict:
+    """Train all four drafters briefly on responses the tiny target wrote itself."""
+    tdir = save_tiny_hf_dir(CFG, _sd(), tmp / "target")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(3, 10))] for _ in range(48)]
+    outs = LLM(tdir).generate(prompts, SamplingParams(temperature=0, max_tokens=40))
+    work = tmp / "work"
+    work.mkdir()
+    (work / "responses.jsonl").write_text("".join(
+        json.dumps({"index": i, "prompt_ids": p, "response_ids": o.outputs[0].token_ids}) + "\n"
+        for i, (p, o) in enumerate(zip(prompts, outs))))
+    arts = {}
+    for algo in ALGOS:
+        arts[algo] = tmp / algo
+        train(build_parser().parse_args([
+            "train-drafter", "--target", tdir, "--algorithm", algo, "--out", str(arts[algo]), "--work-dir", str(work),
+            "--num-prompts", "48", "--steps", "40", "--batch-tokens", "256", "--lr", "3e-3", "--eval-prompts", "4",
+            "--eval-tokens", "24", "--draft-vocab-size", "64" if algo != "mtp" else "97", "--checkpoint-every", "20"]))
+    return {"target": tdir, "work": work, "artifacts": arts}
+
+
+def _spec_llm(trained: dict, algo: str, **kw) -> LLM:  # noqa: ANN003
+    kw.setdefault("kv_cache_memory", "512KiB")
+    return LLM.from_model(_target(), speculative_algorithm=algo.upper(),
+                          speculative_draft_model_path=str(trained["artifacts"][algo]), **kw)

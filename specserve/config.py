@@ -51,6 +51,9 @@ class EngineConfig:
     speculative_lattice_topk: int = _f(0, "DFLASH/DSPARK: rerank each drafted block over the top-k candidates per "
                                        "offset by dynamic programming (per-offset log-probs + Markov transition "
                                        "scores); 0 = off")
+    speculative_draft_window_size: int | None = _f(None, "EAGLE3/MTP/DFLASH/DSPARK: the drafter attends only to the "
+                                                   "last W committed positions (and its own drafts); draft KV "
+                                                   "pages behind the window are freed (default: all)")
     speculative_window: str = _f("fixed", "window policy: fixed = K for every request; confidence = the prefix whose "
                                  "cumulative draft confidence stays >= --speculative-confidence-threshold; cost = "
                                  "per-request windows maximising expected tokens per second of a measured verify-cost "
@@ -104,6 +107,12 @@ class EngineConfig:
                                  f"depth {d} and topk {k}, got {m}")
         if not 0 <= self.speculative_lattice_topk <= 64:
             raise ValueError(f"--speculative-lattice-topk must be in [0, 64], got {self.speculative_lattice_topk}")
+        if self.speculative_draft_window_size is not None:
+            if self.speculative_draft_window_size < 1:
+                raise ValueError(f"--speculative-draft-window-size must be >= 1, got {self.speculative_draft_window_size}")
+            if self.speculative_algorithm not in LEARNED_ALGORITHMS + ("AUTO",):
+                raise ValueError("--speculative-draft-window-size applies to the learned drafters (EAGLE3, MTP, DFLASH, "
+                                 f"DSPARK), not {self.speculative_algorithm}")
         if self.speculative_ngram_max_match < self.speculative_ngram_min_match:
             raise ValueError("--speculative-ngram-max-match must be >= --speculative-ngram-min-match")
         if not 0.0 <= self.speculative_confidence_threshold <= 1.0:

@@ -72,8 +72,16 @@ class KVPool:
         return [page_table[p // ps] * ps + p % ps for p in range(start, end)]
 
     def release(self, page_table: list[int]) -> None:
-        self.allocator.free(page_table)
+        self.allocator.free([p for p in page_table if p >= 0])
         page_table.clear()
+
+    def free_below(self, page_table: list[int], position: int) -> None:
+        """Free the pages holding only positions < `position` (a sliding window never reads them
+        again); their entries become −1, so later positions keep their page index."""
+        dead = [i for i in range(min(position // self.page_size, len(page_table))) if page_table[i] >= 0]
+        self.allocator.free([page_table[i] for i in dead])
+        for i in dead:
+            page_table[i] = -1
 
 
 __all__ = ["KVPool", "OutOfPages", "parse_memory"]

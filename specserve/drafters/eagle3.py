@@ -91,13 +91,22 @@ class ChainDrafter(LearnedDrafter):
         return FeatState(pending=[torch.zeros(1, n_aux, H, dtype=self.dtype)])  # feature "of position −1"
 
     def forward_rows(self, sts: list[FeatState], toks: list[list[int]], h: torch.Tensor, slot_starts: list[int],
-                     positions: list[list[int]] | None = None, masks: list[torch.Tensor] | None = None) -> torch.Tensor:
+                     seq_lens: list[int], positions: list[list[int]] | None = None,
+                     masks: list[torch.Tensor] | None = None, catch_up: bool = False) -> torch.Tensor:
         """Rows toks[b] written at draft positions slot_starts[b].. (their RoPE positions too, unless
-        `positions`), hidden inputs h (packed); returns every row's output (packed)."""
+        `positions`), hidden inputs h (packed); returns every row's output (packed). Reads start at
+        ctx_first(seq_len); `catch_up` rows (committed positions) slide the window row by row.
+        masks[b] (trees) cover the context from position 0."""
+        firsts = [min(self.ctx_first(n), s) for n, s in zip(seq_lens, slot_starts)]
+        if catch_up and self.window is not None:
+            firsts = [max(0, s - self.window + 1) for s in slot_starts]
         ends = [s + len(t) for s, t in zip(slot_starts, toks)]
         slots = [self.kv.slots(st.page_table, s, e) for st, s, e in zip(sts, slot_starts, ends)]
-        ctx = [self.kv.slots(st.page_table, 0, e) for st, e in zip(sts, ends)]
-        fb = build_forward_batch(toks, slot_starts, slots, ctx, None, positions=positions, masks=masks)
+        ctx = [self.kv.slots(st.page_table, f, e) for st, f, e in zip(sts, firsts, ends)]
+        if masks is not None:
+            masks = [m[:, f:] for m, f in zip(masks, firsts)]
+        fb = build_forward_batch(toks, slot_starts, slots, ctx, None, positions=positions, masks=masks,
+                                 ctx_first=firsts, window=self.window if catch_up else None)
         return self.net.step(fb.input_ids, h, fb.positions, paged(fb, self.kv.k[0], self.kv.v[0]))
 
     def _root(self, reqs: list[Request], window: list[int], room: int) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
@@ -119,9 +128,10 @@ class ChainDrafter(LearnedDrafter):
         sts = [self._st(reqs[b]) for b, _ in active]
         toks = [reqs[b].all_ids[st.done :] for (b, _), st in zip(active, sts)]
         h = self.net.fuse(torch.cat([st.take() for st in sts]))
-        o = self.forward_rows(sts, toks, h, [st.done for st in sts])
+        o = self.forward_rows(sts, toks, h, [st.done for st in sts], [reqs[b].seq_len for b, _ in active], catch_up=True)
         for st, t in zip(sts, toks):
             st.done += len(t)
+            self.trim(st)
         return active, o[torch.tensor([len(t) for t in toks]).cumsum(0) - 1]
 
     @torch.no_grad()
@@ -153,7 +163,7 @@ class ChainDrafter(LearnedDrafter):
             step += 1
             sts = [self._st(reqs[b]) for b, _ in keep]  # chain rows sit beyond `done`: overwritten next round
             o = self.forward_rows(sts, [[tokens[b][-1]] for b, _ in keep], o[torch.tensor(keep_rows)],
-                                  [reqs[b].seq_len - 1 + step for b, _ in keep])
+                                  [reqs[b].seq_len - 1 + step for b, _ in keep], [reqs[b].seq_len for b, _ in keep])
             active = keep
         q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]
         return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None,

@@ -7,6 +7,8 @@ Feature bookkeeping per request (NOTE: the invariant every learned drafter keeps
 The target hands over features only for committed positions, so nothing built from a rejected
 draft survives a step: rows the drafter writes for its own drafts sit beyond `done` and are
 overwritten by the next step's rows.
+With --speculative-draft-window-size W a draft round reads only the last W committed positions
+(the catch-up rows: a sliding window of W), and pages behind the window are freed.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class LearnedDrafter(Drafter):
         pages = engine.reserve_draft_kv(net.mcfg, self.dtype)
         self.kv = KVPool(net.mcfg, pages, engine.config.page_size, self.dtype)
         self.max_pos = net.cfg.max_position_embeddings
+        self.window = engine.config.speculative_draft_window_size  # None = attend to the whole context
         self.greedy_draft = os.environ.get("SPECSERVE_GREEDY_DRAFT", "0") == "1"
         self.supplies_q = not self.greedy_draft
         self.vocab = engine.model.cfg.vocab_size
@@ -78,6 +81,16 @@ class LearnedDrafter(Drafter):
 
     def _in_sync(self, req: Request) -> bool:
         return self._covered(self._st(req)) == req.committed_len
+
+    def ctx_first(self, seq_len: int) -> int:
+        """First position a draft round reads: the last W committed positions up to the anchor
+        (position seq_len − 1) — everything, without --speculative-draft-window-size."""
+        return 0 if self.window is None else max(0, seq_len - self.window)
+
+    def trim(self, st: FeatState) -> None:
+        """Free draft KV pages behind the window: later rounds read positions ≥ done − W only."""
+        if self.window is not None:
+            self.kv.free_below(st.page_table, st.done - self.window)
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         for (req, start, _), f in zip(chunks, feats or []):

@@ -46,7 +46,7 @@ def draft_tree(d: "ChainDrafter", reqs: list[Request], window: list[int]) -> Pro
         anc[:, :, (depth - 1) * k : depth * k] |= torch.eye(k, dtype=torch.bool)  # each sees itself
         masks = [torch.cat([torch.ones(k, s, dtype=torch.bool), a[:, : depth * k]], dim=1) for s, a in zip(seq, anc)]
         out = d.forward_rows(sts, d.net.draft_ids[beam_tok].tolist(), beam_h.reshape(N * k, H),
-                             [s + (depth - 1) * k for s in seq], [[s - 1 + depth] * k for s in seq], masks)
+                             [s + (depth - 1) * k for s in seq], seq, [[s - 1 + depth] * k for s in seq], masks)
         out = out.view(N, k, H)
         c_cond, c_tok = torch.log_softmax(d.net.logits(out).float(), dim=-1).topk(k, dim=-1)  # [N, k, k]
         c_score = (beam_score[:, :, None] + c_cond).flatten(1)

@@ -70,7 +70,10 @@ def build_forward_batch(
     q_index = torch.where(q_valid, starts_packed[:, None] + offs[None, :], torch.zeros((), dtype=torch.long))
     ctx = torch.zeros(B, L, dtype=torch.long)
     for b, c in enumerate(ctx_slot_lists):
-        ctx[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+        ctx[b] = torch.tensor(c, dtype=torch.long)[torch.arange(L).clamp(max=len(c) - 1)]
+    # NOTE: padding repeats the request's own newest slot (written by this very forward): a masked
+    # entry still enters SDPA as 0·V, so padding with another request's slot would let one bad
+    # (NaN) request, or a slot beyond a draft window, leak into its neighbours.
     first = torch.tensor(ctx_first if ctx_first is not None else [0] * B)
     kv_pos = first[:, None] + torch.arange(L)[None, :]  # [B, L] absolute position of each context entry
     q_pos = torch.zeros(B, q_max, dtype=torch.long)  # [B, q_max]

@@ -7,7 +7,7 @@ The embedding and LM head are the target's (frozen, restricted to the draft voca
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -16,8 +16,12 @@ from ..cache.kv_pool import OutOfPages
 from ..core import Proposal, Request
 from ..models.forward_batch import build_forward_batch
 from ..models.llama import LlamaModel
+from .lattice import best_paths
 from .learned import LearnedDrafter
 from .nets import DraftLayer, DraftNet, DrafterConfig, dense_head, paged
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -78,6 +82,16 @@ class BlockDrafter(LearnedDrafter):
     net: DFlashNet
     drafts_block = True
 
+    def __init__(self, engine: "Engine", net: DraftNet, label: str) -> None:
+        super().__init__(engine, net, label)
+        #: --speculative-lattice-topk: > 0 drafts the best path of the block's top-k lattice (deterministic)
+        self.lattice_topk: int = engine.config.speculative_lattice_topk
+        if self.lattice_topk:
+            if engine.config.speculative_accept == "block":
+                raise ValueError("--speculative-accept block needs draft distributions q, but --speculative-lattice-topk "
+                                 "drafts are deterministic (verified one-hot); use auto/onehot, or lattice topk 0")
+            self.supplies_q = False
+
     def _write_context(self, reqs: list[Request]) -> None:
         """Turn pending target features into context K/V of every draft layer (all requests at once)."""
         sts = [self._st(r) for r in reqs]
@@ -93,6 +107,7 @@ class BlockDrafter(LearnedDrafter):
             self.kv.v[i].index_copy_(0, slots, v.to(self.dtype))
         for st, k in zip(todo, n):
             st.done += k
+            self.trim(st)
 
     @torch.no_grad()
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
@@ -114,8 +129,10 @@ class BlockDrafter(LearnedDrafter):
         sts = [self._st(r) for r in areqs]
         starts = [r.seq_len - 1 for r in areqs]
         toks = [[r.output_ids[-1]] + [0] * (B - 1) for r in areqs]  # ids past the anchor are unused (MASK)
+        firsts = [self.ctx_first(r.seq_len) for r in areqs]  # the anchor's position is seq_len − 1
         fb = build_forward_batch(toks, starts, [self.kv.slots(st.page_table, s, s + B) for st, s in zip(sts, starts)],
-                                 [self.kv.slots(st.page_table, 0, s + B) for st, s in zip(sts, starts)], None, causal=False)
+                                 [self.kv.slots(st.page_table, f, s + B) for st, f, s in zip(sts, firsts, starts)], None,
+                                 causal=False, ctx_first=firsts)
         attends = [paged(fb, self.kv.k[i], self.kv.v[i]) for i in range(len(self.net.layers))]
         o = self.net.block_forward(self.net.block_input(torch.tensor([t[0] for t in toks])), fb.positions, attends)
         o = o.view(len(areqs), B, -1)[:, 1:]
@@ -124,6 +141,8 @@ class BlockDrafter(LearnedDrafter):
 
     def _pick(self, reqs: list[Request], active: list[tuple[int, int]], o: torch.Tensor, base: torch.Tensor) -> Proposal:
         """Choose tokens offset by offset (the transition term needs the previous offset's token)."""
+        if self.lattice_topk:
+            return self._pick_lattice(reqs, active, o, base)
         tokens: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         conf: list[list[torch.Tensor]] = [[] for _ in reqs]
@@ -149,3 +168,28 @@ class BlockDrafter(LearnedDrafter):
         c_out = [torch.stack(c) if c else None for c in conf]
         return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None,
                         confidence=c_out if any(c is not None for c in c_out) else None)
+
+    def _pick_lattice(self, reqs: list[Request], active: list[tuple[int, int]], o: torch.Tensor,
+                      base: torch.Tensor) -> Proposal:
+        """The best path of each request's window through the top-k lattice (`lattice.best_paths`):
+        deterministic drafts (q = None, verified one-hot at any temperature); confidence is taken on
+        the logits the chosen path sees (base_k + transition of the chosen previous token)."""
+        L = max(w for _, w in active)
+        o, base = o[:, :L], base[:, :L]
+        ids = self.net.draft_ids  # draft id → target id
+        anchors = torch.tensor([reqs[b].output_ids[-1] for b, _ in active])
+        t0 = self.net.transition(anchors)
+        rows = base if t0 is None else torch.cat([(base[:, 0] + t0)[:, None], base[:, 1:]], dim=1)
+        trans = None if t0 is None else (lambda s: self.net.transition(ids[s]))
+        paths, _ = best_paths(rows, trans, self.lattice_topk, torch.tensor([w for _, w in active]))
+        toks = ids[paths]  # [N, L] target ids
+        t = self.net.transition(torch.cat([anchors[:, None], toks[:, :-1]], dim=1))
+        logits = base if t is None else base + t
+        c = self.net.confidence(o, logits)
+        if c is None:  # DFlash: the draft probability of the chosen token
+            c = torch.softmax(logits, dim=-1).gather(-1, paths[..., None]).squeeze(-1)
+        tokens: list[list[int]] = [[] for _ in reqs]
+        conf: list[torch.Tensor | None] = [None] * len(reqs)
+        for i, (b, w) in enumerate(active):
+            tokens[b], conf[b] = toks[i, :w].tolist(), c[i, :w]
+        return Proposal(tokens=tokens, confidence=conf)

@@ -196,18 +196,22 @@ class Engine:
         left = min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.seq_len) - 1
         return max(0, min(self.num_draft_tokens, room, left))
 
-    def _draft(self, reqs: list[Request]) -> tuple[Proposal, list[int], float]:
-        """DRAFT under the window policy: (proposal, windows, the cost curves' predicted step time).
-        Block drafters draft their whole block in one forward and trees cost their depth, so for
-        them `confidence` and `cost` choose windows after drafting, from the per-token confidence."""
+    def _draft(self, reqs: list[Request]) -> tuple[Proposal, list[int], float, int]:
+        """DRAFT under the window policy: (proposal, windows, the cost curves' predicted step time,
+        requests that drafted). Block drafters draft their whole block in one forward and trees cost
+        their depth, so for them `confidence` and `cost` cut windows after drafting, from the per-token
+        confidence; `cost` first plans from acceptance so far (charging what a drafting request
+        costs), and only requests whose plan is > 0 draft at all."""
         window = [self._window(r) for r in reqs]
         policy, predicted = self.config.speculative_window, 0.0
         whole = self.drafter is not None and (self.drafter.drafts_block or self.config.speculative_eagle_topk > 1)
         after = self.drafter is not None and (policy == "confidence" or (policy == "cost" and whole))
-        if self.cost_model is not None and not after:
-            window, predicted = cost_windows(reqs, window, self.cost_model, self.draft_cost_model,
-                                             self.step_overhead.per_request)
+        if self.cost_model is not None:
+            plan, predicted = cost_windows(reqs, window, self.cost_model, self.draft_cost_model,
+                                           self.step_overhead.per_request)
+            window = [w if k else 0 for w, k in zip(window, plan)] if after else plan
         proposal = self.drafter.propose(reqs, window) if self.drafter and any(window) else Proposal.empty(len(reqs))
+        drafted = sum(1 for d in proposal.tokens if d)
         if after:
             curves = accept_curves(reqs, proposal.confidence, [min(len(d), w) for d, w in zip(proposal.tokens, window)],
                                    proposal.parents)
@@ -216,11 +220,11 @@ class Engine:
             else:
                 window, predicted = cost_windows(reqs, [len(c) for c in curves], self.cost_model, None,
                                                  self.step_overhead.per_request, curves)
-        return proposal, window, predicted
+        return proposal, window, predicted, drafted
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
         t0 = time.perf_counter()
-        proposal, window, predicted = self._draft(reqs)
+        proposal, window, predicted, drafted = self._draft(reqs)
         drafts = [d[:w] for d, w in zip(proposal.tokens, window)]
         # a prefix of a tree proposal is a tree (nodes are in topological order)
         parents = [p[:w] if p is not None else None for p, w in zip(proposal.parents or [None] * len(reqs), window)]
@@ -245,7 +249,7 @@ class Engine:
         if self.drafter:
             self.drafter.commit(reqs, accepted, feats)
         if self.cost_model is not None:
-            self.step_overhead.observe(time.perf_counter() - t0, predicted, sum(1 for w in window if w))
+            self.step_overhead.observe(time.perf_counter() - t0, predicted, drafted)
         return reqs
 
     def _apply(self, r: Request, res: AcceptResult, raw: torch.Tensor, num_draft: int) -> int:

@@ -93,7 +93,7 @@ class EngineConfig:
             raise ValueError(f"--speculative-num-steps must be in [1, 32], got {self.speculative_num_steps}")
         if not 1 <= self.speculative_eagle_topk <= 16:
             raise ValueError(f"--speculative-eagle-topk must be in [1, 16], got {self.speculative_eagle_topk}")
-        if self.speculative_eagle_topk > 1:
+        if self.speculative_eagle_topk > 1 and self.speculative_algorithm is not None:  # plain decoding ignores it
             if self.speculative_algorithm not in ("EAGLE3", "MTP"):
                 raise ValueError("--speculative-eagle-topk > 1 drafts EAGLE-2 trees, which need "
                                  f"--speculative-algorithm EAGLE3 or MTP (got {self.speculative_algorithm})")
@@ -107,7 +107,7 @@ class EngineConfig:
                                  f"depth {d} and topk {k}, got {m}")
         if not 0 <= self.speculative_lattice_topk <= 64:
             raise ValueError(f"--speculative-lattice-topk must be in [0, 64], got {self.speculative_lattice_topk}")
-        if self.speculative_draft_window_size is not None:
+        if self.speculative_draft_window_size is not None and self.speculative_algorithm is not None:
             if self.speculative_draft_window_size < 1:
                 raise ValueError(f"--speculative-draft-window-size must be >= 1, got {self.speculative_draft_window_size}")
             if self.speculative_algorithm not in LEARNED_ALGORITHMS + ("AUTO",):

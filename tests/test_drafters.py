@@ -166,10 +166,44 @@ def test_window_policies_stay_lossless_and_never_stall(trained: dict, algo: str,
     plan = [(i % 3, [rng.randrange(97) for _ in range(rng.randint(1, 20))], SamplingParams(temperature=0, max_tokens=40))
             for i in range(5)]
     llm = _spec_llm(trained, algo, speculative_window=policy, speculative_confidence_threshold=0.3, **opts)
+    dr, stopped = llm.engine.drafter, []
+    propose = dr.propose
+
+    def checked(reqs, window):  # noqa: ANN001, ANN202
+        prop = propose(reqs, window)
+        for toks, c, w in zip(prop.tokens, prop.confidence or [None] * len(reqs), window):
+            if toks and not opts:  # chains/blocks stop drafting once the cumulative confidence is too low
+                cum = torch.cumprod(c.double(), 0).tolist()
+                assert all(x >= dr.stop_below for x in cum[:-1])
+                stopped.append(len(toks) < w)
+        return prop
+
+    dr.propose = checked
     reqs = drive(llm, plan)
     for (_, prompt, _), r in zip(plan, reqs):
         assert r.output_ids == reference_greedy(llm.engine.model, prompt, 40)
+    assert opts or any(stopped)
     counts = llm.engine.stats.window_counts
     assert counts[0] > 0 and sum(counts[1:]) > 0, counts
     if policy == "confidence":  # (the cost policy may rightly find a tiny model's drafts not worth verifying)
         assert sum(r.spec_accepted_tokens for r in reqs) > 0
+
+
+@pytest.mark.parametrize("algo,opts", [("dspark", {}), ("eagle3", TREE)])
+def test_cost_policy_skips_drafting_when_a_drafting_request_costs_too_much(trained: dict, algo: str, opts: dict) -> None:
+    """Block drafters and trees plan before drafting: when the calibrated cost of a drafting request
+    outweighs any expected gain, nobody drafts (plain decoding); when it is free, they do."""
+    rng = random.Random(2)
+    plan = [(0, [rng.randrange(97) for _ in range(rng.randint(4, 12))], SamplingParams(temperature=0, max_tokens=12))
+            for _ in range(3)]
+    for per_request, drafts in ((10.0, False), (0.0, True)):
+        llm = _spec_llm(trained, algo, speculative_window="cost", **opts)
+        eng = llm.engine
+        eng.step_overhead.per_request, eng.step_overhead.decay = per_request, 1.0  # decay 1: keep it fixed
+        calls = []
+        propose = eng.drafter.propose
+        eng.drafter.propose = lambda reqs, window: calls.append(window) or propose(reqs, window)  # noqa: B023
+        reqs = drive(llm, plan)
+        for (_, prompt, _), r in zip(plan, reqs):
+            assert r.output_ids == reference_greedy(eng.model, prompt, 12)
+        assert bool(calls) == drafts, calls

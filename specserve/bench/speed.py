@@ -7,13 +7,14 @@ number of new tokens per request, so every configuration produces the same token
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
 
-from ..config import config_from_args
+from ..config import EngineConfig, _parse, config_from_args
 from ..core import SamplingParams
 from .common import add_prompt_args, record, workloads
 
@@ -24,8 +25,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_prompt_args(p)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--algos", nargs="+", default=["plain", "NGRAM"],
-                   help="plain and/or drafters (NGRAM, STANDALONE, SYNTHETIC), optionally +WINDOW_POLICY "
-                        "(e.g. NGRAM+cost); engine flags apply to all")
+                   help="plain and/or drafters (NGRAM, STANDALONE, SYNTHETIC, EAGLE3, MTP, DFLASH, DSPARK), optionally "
+                        "+WINDOW_POLICY and :flag=value engine overrides for that configuration alone (e.g. NGRAM+cost, "
+                        "EAGLE3:speculative-eagle-topk=4:speculative-num-steps=4); other engine flags apply to all")
     p.add_argument("--hf", action="store_true", help="HF transformers.generate baselines (plain; prompt lookup; "
                    "assistant model when --speculative-draft-model-path is set)")
     p.add_argument("--llama-cpp", action="store_true", help="llama-cpp-python on the same GGUF, if installed")
@@ -37,14 +39,23 @@ def _engines(a: argparse.Namespace) -> dict[str, Any]:
 
     out = {}
     for spec in a.algos:
-        algo, _, window = spec.partition("+")  # e.g. NGRAM+cost: this config with --speculative-window cost
+        head, *overrides = spec.split(":")  # e.g. EAGLE3+cost:speculative-eagle-topk=4
+        algo, _, window = head.partition("+")  # e.g. NGRAM+cost: this config with --speculative-window cost
         a2 = argparse.Namespace(**vars(a))
         a2.speculative_algorithm = None if algo == "plain" else algo
         if window:
             a2.speculative_window = window
+        fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+        for o in overrides:
+            key, _, value = o.partition("=")
+            key = key.lstrip("-").replace("-", "_")
+            if key not in fields or not value:
+                raise ValueError(f"--algos {spec!r}: {o!r} is not flag=value for an engine flag")
+            setattr(a2, key, _parse(value, fields[key], source=f"--algos {spec}"))
         llm = LLM.from_config(config_from_args(a2, a.model))
         label = algo if algo == "plain" else llm.engine.drafter.label.split(" ")[0]
-        out[f"specserve {label}" + (f"+{window}" if window else "")] = llm
+        out[f"specserve {label}" + (f"+{window}" if window else "") + "".join(
+            ":" + o.lstrip("-").removeprefix("speculative-").removeprefix("speculative_") for o in overrides)] = llm
     return out
 
 
@@ -163,10 +174,11 @@ def _summarize(tot: dict, bs: int) -> dict:
 
 def _print(bs: int, row: dict) -> None:
     f = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
+    w = max(22, *map(len, row))
     print(f"\nbatch size {bs}")
-    print(f"{'config':22s} {'tok/s':>8s} {'ms/token':>9s} {'vs plain':>9s} {'vs HF':>7s} {'τ':>6s}")
+    print(f"{'config':{w}s} {'tok/s':>8s} {'ms/token':>9s} {'vs plain':>9s} {'vs HF':>7s} {'τ':>6s}")
     for name, r in row.items():
-        print(f"{name:22s} {r['tok_s']:8.1f} {r['ms_per_token']:9.1f} {f(r['vs_plain']):>9s} {f(r['vs_hf']):>7s} "
+        print(f"{name:{w}s} {r['tok_s']:8.1f} {r['ms_per_token']:9.1f} {f(r['vs_plain']):>9s} {f(r['vs_hf']):>7s} "
               f"{f(r['accept_length']):>6s}")
 
 

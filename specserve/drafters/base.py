@@ -2,7 +2,8 @@
 
 A drafter proposes up to `window[b]` tokens for each decoding request. Lifecycle per request:
   prefill(chunks, feats)                after each target prefill chunk (build draft-side state)
-  propose(reqs, window) → Proposal      DRAFT stage of a step
+  propose(reqs, window) → Proposal      DRAFT stage of a step (chains; or trees with `parents`,
+                                        nodes in topological best-first order, ≤ window[b] nodes)
   commit(reqs, num_accepted, feats)     after the target committed accepted + 1 tokens
 `feats` are the target's hidden states of the drafter's `aux_layers` ([n, len(aux), H] per request:
 the prefill chunk's tokens, or the verify window's rows) — None for drafters that need none.

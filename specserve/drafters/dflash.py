@@ -136,34 +136,40 @@ class BlockDrafter(LearnedDrafter):
         attends = [paged(fb, self.kv.k[i], self.kv.v[i]) for i in range(len(self.net.layers))]
         o = self.net.block_forward(self.net.block_input(torch.tensor([t[0] for t in toks])), fb.positions, attends)
         o = o.view(len(areqs), B, -1)[:, 1:]
-        base = self.net.base_logits(o)  # [N, B − 1, V_d]
-        return self._pick(reqs, active, o, base)
-
-    def _pick(self, reqs: list[Request], active: list[tuple[int, int]], o: torch.Tensor, base: torch.Tensor) -> Proposal:
-        """Choose tokens offset by offset (the transition term needs the previous offset's token)."""
         if self.lattice_topk:
-            return self._pick_lattice(reqs, active, o, base)
+            return self._pick_lattice(reqs, active, o, self.net.base_logits(o))
+        return self._pick(reqs, active, o)
+
+    def _pick(self, reqs: list[Request], active: list[tuple[int, int]], o: torch.Tensor) -> Proposal:
+        """Choose tokens offset by offset (the transition term needs the previous offset's token).
+        The LM head runs per offset, only for requests still drafting: a request stops once its
+        cumulative confidence falls below `stop_below` (the window policy would cut there anyway)."""
         tokens: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         conf: list[list[torch.Tensor]] = [[] for _ in reqs]
         prev = torch.tensor([reqs[b].output_ids[-1] for b, _ in active])
+        live = [1.0] * len(active)  # cumulative confidence so far
         for k in range(max(w for _, w in active)):
-            logits = base[:, k]
-            t = self.net.transition(prev)
+            rows = [i for i, (_, w) in enumerate(active) if k < w and live[i] >= self.stop_below]
+            if not rows:
+                break
+            idx = torch.tensor(rows)
+            logits = self.net.base_logits(o[idx, k])
+            t = self.net.transition(prev[idx])
             if t is not None:
                 logits = logits + t
-            c = self.net.confidence(o[:, k], logits)
+            c = self.net.confidence(o[idx, k], logits)
             if c is None:  # DFlash: the draft probability of its chosen (argmax) token
                 c = torch.softmax(logits, dim=-1).amax(dim=-1)
-            for i, (b, w) in enumerate(active):
-                if k < w:
-                    tok, q = self._choose(reqs[b], logits[i], tokens[b])
-                    tokens[b].append(tok)
-                    prev[i] = tok
-                    if q is not None:
-                        qs[b].append(q)
-                    if c is not None:
-                        conf[b].append(c[i])
+            for j, i in enumerate(rows):
+                b = active[i][0]
+                tok, q = self._choose(reqs[b], logits[j], tokens[b])
+                tokens[b].append(tok)
+                prev[i] = tok
+                live[i] *= float(c[j])
+                conf[b].append(c[j])
+                if q is not None:
+                    qs[b].append(q)
         q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]
         c_out = [torch.stack(c) if c else None for c in conf]
         return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None,

@@ -144,7 +144,7 @@ class ChainDrafter(LearnedDrafter):
         tokens: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         conf: list[list[torch.Tensor]] = [[] for _ in reqs]  # draft probability of each chosen token
-        step = 0
+        step, live = 0, [1.0] * len(reqs)  # cumulative confidence: stop below `stop_below`
         while active:
             logits = self.net.logits(o)
             top = torch.softmax(logits, dim=-1).amax(dim=-1)
@@ -153,9 +153,10 @@ class ChainDrafter(LearnedDrafter):
                 tok, q = self._choose(reqs[b], row, tokens[b])
                 conf[b].append(top[i])
                 tokens[b].append(tok)
+                live[b] *= float(top[i])
                 if q is not None:
                     qs[b].append(q)
-                if len(tokens[b]) < w:
+                if len(tokens[b]) < w and live[b] >= self.stop_below:
                     keep.append((b, w))
                     keep_rows.append(i)
             if not keep:

@@ -1,7 +1,8 @@
 """ACCEPT stage for one request: process the target rows, pick the rule, run it.
 
 Rule per request: temperature 0 → greedy; a deterministic draft (q absent) → onehot;
-a sampled draft → `sample`, or `block` when --speculative-accept block.
+a sampled draft → `sample`, or `block` when --speculative-accept block; a tree draft (parents
+given; its children are deterministic) → the tree walk, greedy or sample-and-match.
 """
 from __future__ import annotations
 

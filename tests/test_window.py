@@ -5,7 +5,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.core import Request
-from specserve.spec.window import CostModel, StepOverhead, cost_windows
+from specserve.spec.window import CostModel, DraftGate, StepOverhead, cost_windows
 
 from .tiny import reference_greedy, tiny_model
 
@@ -72,6 +72,8 @@ def test_cost_policy_is_lossless_and_adapts(monkeypatch: pytest.MonkeyPatch, alg
     curve, draft = CostModel([(1, 1.0), (64, 7.3)]), CostModel([(1, 0.02), (64, 0.05)])
     monkeypatch.setattr(CostModel, "cached", classmethod(
         lambda cls, runner, key, cache_dir=None: draft if key.startswith("draft-") else curve))
+    # ...and so does opening the empirical gate (it compares real step times; tested on its own below)
+    monkeypatch.setattr(DraftGate, "allow", lambda self, batch: True)
     m = tiny_model("llama")
     opts = dict(speculative_algorithm=algo, speculative_num_draft_tokens=6, speculative_window="cost")
     if rate is not None:
@@ -101,3 +103,18 @@ def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.Monke
     assert runner.kv.allocator.num_free == runner.kv.allocator.num_pages  # measuring leaks no pages
     monkeypatch.setattr(CostModel, "measure", staticmethod(lambda *a, **k: pytest.fail("measured twice")))
     assert CostModel.cached(runner, "tiny", cache_dir=tmp_path).points == first.points
+
+
+@pytest.mark.parametrize("draft_s,plain_s,expect_draft", [(0.02, 0.03, True), (0.04, 0.03, False)])
+def test_draft_gate_follows_the_faster_arm_and_keeps_exploring(draft_s: float, plain_s: float, expect_draft: bool) -> None:
+    gate = DraftGate(warmup=2, explore=5)
+    decisions = []
+    for _ in range(40):
+        d = gate.allow(4)
+        decisions.append(d)
+        gate.observe(4, d, (draft_s if d else plain_s) * 4, 4)  # seconds per token of the arm taken
+    assert decisions[:4] == [True, True, False, False]  # warm-up: each arm measured first
+    later = decisions[10:]
+    assert sum(later) == (len(later) - sum(1 for s in range(11, 41) if s % 5 == 0) if expect_draft
+                          else sum(1 for s in range(11, 41) if s % 5 == 0))  # only exploration steps differ
+    assert gate.bucket(3) == gate.bucket(4) == 4 and gate.bucket(1) == 1 and gate.bucket(5) == 8

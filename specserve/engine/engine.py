@@ -28,7 +28,7 @@ from ..models.config import ModelConfig
 from ..spec.rules import accept_request
 from ..spec.tree import compact_path
 from ..spec.verify import verify, verify_mode
-from ..spec.window import CostModel, StepOverhead, accept_curves, confidence_windows, cost_windows
+from ..spec.window import CostModel, DraftGate, StepOverhead, accept_curves, confidence_windows, cost_windows
 from .output import Emitter
 from .runner import ModelRunner, split_features
 from .scheduler import Scheduler
@@ -84,6 +84,7 @@ class Engine:
         self.cost_model: CostModel | None = None
         self.draft_cost_model: CostModel | None = None
         self.step_overhead = StepOverhead()
+        self.draft_gate = DraftGate()
         if self.drafter and config.speculative_window == "cost":
             self.cost_model = CostModel.cached(self.runner, self._cost_key(mcfg, self.dtype))
             draft_runner = getattr(self.drafter, "runner", None)  # model drafters draft position by position
@@ -207,6 +208,8 @@ class Engine:
         whole = self.drafter is not None and (self.drafter.drafts_block or self.config.speculative_eagle_topk > 1)
         after = self.drafter is not None and (policy == "confidence" or (policy == "cost" and whole))
         if self.cost_model is not None:
+            if not self.draft_gate.allow(len(reqs)):
+                window = [0] * len(reqs)
             plan, predicted = cost_windows(reqs, window, self.cost_model, self.draft_cost_model,
                                            self.step_overhead.per_request)
             window = [w if k else 0 for w, k in zip(window, plan)] if after else plan
@@ -249,7 +252,9 @@ class Engine:
         if self.drafter:
             self.drafter.commit(reqs, accepted, feats)
         if self.cost_model is not None:
-            self.step_overhead.observe(time.perf_counter() - t0, predicted, drafted)
+            elapsed = time.perf_counter() - t0
+            self.step_overhead.observe(elapsed, predicted, drafted)
+            self.draft_gate.observe(len(reqs), drafted > 0, elapsed, sum(a + 1 for a in accepted))
         return reqs
 
     def _apply(self, r: Request, res: AcceptResult, raw: torch.Tensor, num_draft: int) -> int:

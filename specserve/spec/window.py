@@ -14,7 +14,9 @@ time of one target forward over n tokens. Greedy: start every window at 0 and ke
 draft position with the largest marginal gain α_b^{k_b+1} while the ratio improves. A window of 0
 is plain decoding for that request, so the batch is never planned slower than plain decoding.
 Model drafters (STANDALONE, SYNTHETIC) add their own measured forward time per draft position, and
-what the curves miss per drafting request is learned online from measured steps (StepOverhead).
+what the curves miss per drafting request is learned online from measured steps (StepOverhead), and
+a last empirical guard (DraftGate) compares measured seconds per token of steps with and without
+drafting, so a drafter whose gain and cost nearly cancel is switched off where it measures slower.
 Block drafters (DFlash, DSpark) draft their whole block in one forward whatever the window, and
 EAGLE-2 trees cost their depth whatever the node count, so for them the windows are chosen after
 drafting, with the marginal gains taken from the cumulative draft confidence of each position
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -106,6 +108,42 @@ class StepOverhead:
         else:
             per = max(0.0, (residual - self.base) / active)
             self.per_request = self.decay * self.per_request + (1 - self.decay) * per
+
+
+@dataclass
+class DraftGate:
+    """Empirical guard of the `cost` policy: per batch-size bucket (powers of two), an EMA of seconds
+    per emitted token over decode steps that drafted and over steps that did not. Once both are
+    measured, drafting is allowed only while it measures faster; the other arm is re-tried every
+    `explore` steps of that bucket, so a change of workload or context length is noticed. The cost
+    model still chooses the windows whenever drafting is allowed; the gate only catches what the
+    model misestimates (a drafter whose gain and cost nearly cancel), bounding the loss to the
+    exploration steps."""
+
+    warmup: int = 3
+    explore: int = 20
+    decay: float = 0.8
+    stats: dict = field(default_factory=dict)  # bucket → {"draft": [n, ema], "plain": [n, ema], "step": k}
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << max(0, batch - 1).bit_length()
+
+    def allow(self, batch: int) -> bool:
+        st = self.stats.setdefault(self.bucket(batch), {"draft": [0, 0.0], "plain": [0, 0.0], "step": 0})
+        st["step"] += 1
+        for arm in ("draft", "plain"):  # measure each arm first
+            if st[arm][0] < self.warmup:
+                return arm == "draft"
+        draft_wins = st["draft"][1] <= st["plain"][1]
+        return draft_wins != (st["step"] % self.explore == 0)
+
+    def observe(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
+        arm = self.stats.setdefault(self.bucket(batch), {"draft": [0, 0.0], "plain": [0, 0.0], "step": 0})[
+            "draft" if drafted else "plain"]
+        x = seconds / max(tokens, 1)
+        arm[1] = x if arm[0] == 0 else self.decay * arm[1] + (1 - self.decay) * x
+        arm[0] += 1
 
 
 def accept_curves(reqs: list[Request], confidence: list[torch.Tensor | None] | None, lengths: list[int],

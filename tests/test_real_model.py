@@ -104,5 +104,5 @@ def test_shipped_dspark_is_the_cli_default() -> None:
     llm = LLM("smollm2-135m", speculative_algorithm=a.speculative_algorithm)
     assert a.speculative_algorithm == "AUTO" and llm.engine.drafter.label == "DSPARK"
     assert llm.config.speculative_algorithm == "DSPARK" and llm.engine.num_draft_tokens == 7
-    assert llm.config.speculative_window == "confidence"
+    assert llm.config.speculative_window == "cost"
     assert LLM("smollm2-135m", speculative_algorithm="none").engine.drafter is None

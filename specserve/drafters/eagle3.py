@@ -109,10 +109,11 @@ class ChainDrafter(LearnedDrafter):
                                  ctx_first=firsts, window=self.window if catch_up else None)
         return self.net.step(fb.input_ids, h, fb.positions, paged(fb, self.kv.k[0], self.kv.v[0]))
 
-    def _root(self, reqs: list[Request], window: list[int], room: int) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+    def root_rows(self, reqs: list[Request], window: list[int],
+              room: Callable[[int], int]) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
         """Requests that draft this step (index, window) and the draft output at each one's last
         token: rows for the newly committed positions (target features), up to the anchor.
-        `room`: draft slots needed past the anchor."""
+        `room(w)`: draft slots needed past the anchor for a window of w."""
         active = []
         for b, (req, w) in enumerate(zip(reqs, window)):
             w = min(w, self.max_pos - req.seq_len)
@@ -138,7 +139,7 @@ class ChainDrafter(LearnedDrafter):
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
         if self.topk > 1:
             return draft_tree(self, reqs, window)
-        active, o = self._root(reqs, window, lambda w: w - 1)
+        active, o = self.root_rows(reqs, window, lambda w: w - 1)
         if not active:
             return Proposal.empty(len(reqs))
         tokens: list[list[int]] = [[] for _ in reqs]
@@ -169,4 +170,3 @@ class ChainDrafter(LearnedDrafter):
         q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]
         return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None,
                         confidence=[torch.stack(c) if c else None for c in conf])
-

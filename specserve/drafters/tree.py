@@ -29,7 +29,7 @@ def draft_tree(d: "ChainDrafter", reqs: list[Request], window: list[int]) -> Pro
     """Per request a tree of at most window[b] nodes (tokens, parents, per-node draft probability)."""
     k, D = d.topk, d.steps
     window = [w if r.seq_len + D <= d.max_pos else 0 for r, w in zip(reqs, window)]
-    active, o = d._root(reqs, window, lambda w: (D - 1) * k)
+    active, o = d.root_rows(reqs, window, lambda w: (D - 1) * k)
     if not active:
         return Proposal.empty(len(reqs))
     N, H = o.shape

@@ -23,6 +23,7 @@ from specserve.drafters.nets import DrafterConfig
 from specserve.engine.llm import LLM
 from specserve.models.llama import LlamaModel
 from specserve.train.data import FeatureCapture
+from specserve.spec.window import CostModel, DraftGate
 from tests.dist import engine_vs_exact_joint
 from tests.test_spec_engine import drive
 from tests.tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
@@ -122,10 +123,19 @@ def test_draft_state_matches_recomputed(trained: dict, algo: str, opts: dict) ->
     ("eagle3", "sample", {}), ("mtp", "sample", {}), ("dflash", "block", {}), ("dspark", "sample", {}),
     ("dspark", "block", {}),
     ("eagle3", "auto", {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 5}),
+    # window policies: ragged windows chosen from draft confidence / acceptance so far / cost curves
+    ("dspark", "sample", {"speculative_window": "confidence"}), ("dflash", "block", {"speculative_window": "cost"}),
+    ("eagle3", "sample", {"speculative_window": "cost"}),
+    ("eagle3", "auto", {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_window": "confidence"}),
 ])
-def test_sampled_drafts_match_target_distribution(tmp_path: Path, algo: str, rule: str, opts: dict) -> None:
+def test_sampled_drafts_match_target_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algo: str,
+                                                  rule: str, opts: dict) -> None:
     """Sampled drafts with the drafter's real q through the whole engine reproduce the exact joint
-    (trees: deterministic top-k children walked by sample-and-match)."""
+    (trees: deterministic top-k children walked by sample-and-match; window policies: any prefix)."""
+    if opts.get("speculative_window") == "cost":  # a fixed machine-independent curve, and an open gate
+        monkeypatch.setattr(CostModel, "cached", classmethod(lambda cls, runner, key, cache_dir=None: CostModel(
+            [(1, 1.0), (64, 1.0 + 1e-6)])))  # verify tokens (nearly) free: every draft is worth verifying
+        monkeypatch.setattr(DraftGate, "allow", lambda self, batch: True)
     V, L, N = 3, 5, 2500
     cfg = tiny_config("llama", vocab=V, layers=2)
     target = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=11), tmp_path / "t")

@@ -15,6 +15,7 @@ deterministic and verified by the tree walk (spec/accept.py `walk_tree`), lossle
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 def draft_tree(d: "ChainDrafter", reqs: list[Request], window: list[int]) -> Proposal:
     """Per request a tree of at most window[b] nodes (tokens, parents, per-node draft probability)."""
-    k, D = d.topk, d.steps
+    k, D = d.topk, min(d.steps, max(window))  # a tree of w nodes is at most w deep
     window = [w if r.seq_len + D <= d.max_pos else 0 for r, w in zip(reqs, window)]
     active, o = d.root_rows(reqs, window, lambda w: (D - 1) * k)
     if not active:
@@ -43,6 +44,8 @@ def draft_tree(d: "ChainDrafter", reqs: list[Request], window: list[int]) -> Pro
     anc = torch.zeros(N, k, (D - 1) * k, dtype=torch.bool)  # beam nodes' ancestor slots (tree region)
     gen = k
     for depth in range(1, D):
+        if float(beam_score.max()) < math.log(max(d.stop_below, 1e-30)):
+            break  # every deeper node would fall below what the window policy keeps
         anc[:, :, (depth - 1) * k : depth * k] |= torch.eye(k, dtype=torch.bool)  # each sees itself
         masks = [torch.cat([torch.ones(k, s, dtype=torch.bool), a[:, : depth * k]], dim=1) for s, a in zip(seq, anc)]
         out = d.forward_rows(sts, d.net.draft_ids[beam_tok].tolist(), beam_h.reshape(N * k, H),

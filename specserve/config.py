@@ -137,7 +137,7 @@ class EngineConfig:
             if name in explicit and explicit[name] is not None:
                 values[name] = explicit[name]
             elif env is not None:
-                values[name] = _parse(env, f, source=env_name(name), owner=cls)
+                values[name] = parse_field(env, f, source=env_name(name), owner=cls)
         return cls(**values)
 
 
@@ -156,7 +156,8 @@ def _base_type(f: dataclasses.Field, owner: type | None = None) -> type:
     return t
 
 
-def _parse(text: str, f: dataclasses.Field, source: str, owner: type | None = None) -> Any:
+def parse_field(text: str, f: dataclasses.Field, source: str, owner: type | None = None) -> Any:
+    """`text` (an environment variable or a `--algos` override) as the field's type; errors name `source`."""
     t = _base_type(f, owner)
     try:
         return t(text)

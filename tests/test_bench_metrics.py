@@ -79,3 +79,24 @@ def test_bench_verify_runs_both_packings_on_the_same_batch(tmp_path) -> None:  #
     assert res["3-uniform"]["tokens_compact"] == res["3-uniform"]["tokens_padded"] == 15
     assert all(r["compact_ms"] > 0 and r["padded_ms"] > 0 for r in res.values())
     assert json.loads((tmp_path / "v.json").read_text())["results"] == json.loads(json.dumps(res))
+
+
+def test_bench_speed_algos_take_per_configuration_overrides(tmp_path) -> None:  # noqa: ANN001
+    from specserve.bench.speed import _engines
+    from specserve.cli import build_parser
+    from tests.tiny import save_tiny_hf_dir, tiny_config, tiny_state_dict
+
+    cfg = tiny_config(layers=2)
+    target = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, 0), tmp_path / "t")
+    a = build_parser().parse_args(["bench", "speed", target, "--algos", "plain", "NGRAM+cost:speculative-num-draft-tokens=2",
+                                   "--speculative-num-draft-tokens", "5"])
+    engines = _engines(a)
+    assert list(engines) == ["specserve plain", "specserve NGRAM+cost:num-draft-tokens=2"]
+    eng = engines["specserve NGRAM+cost:num-draft-tokens=2"].engine
+    assert eng.num_draft_tokens == 2 and eng.config.speculative_window == "cost"
+    a.algos = ["NGRAM:no-such-flag=1"]
+    with pytest.raises(ValueError, match="not flag=value for an engine flag"):
+        _engines(a)
+    a.algos = ["NGRAM:speculative-num-draft-tokens=x"]
+    with pytest.raises(ValueError, match="expected int"):
+        _engines(a)

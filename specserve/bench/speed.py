@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from ..config import EngineConfig, _parse, config_from_args
+from ..config import EngineConfig, config_from_args, parse_field
 from ..core import SamplingParams
 from .common import add_prompt_args, record, workloads
 
@@ -51,7 +51,7 @@ def _engines(a: argparse.Namespace) -> dict[str, Any]:
             key = key.lstrip("-").replace("-", "_")
             if key not in fields or not value:
                 raise ValueError(f"--algos {spec!r}: {o!r} is not flag=value for an engine flag")
-            setattr(a2, key, _parse(value, fields[key], source=f"--algos {spec}"))
+            setattr(a2, key, parse_field(value, fields[key], source=f"--algos {spec}"))
         llm = LLM.from_config(config_from_args(a2, a.model))
         label = algo if algo == "plain" else llm.engine.drafter.label.split(" ")[0]
         out[f"specserve {label}" + (f"+{window}" if window else "") + "".join(

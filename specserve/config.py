@@ -14,6 +14,7 @@ SPEC_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE3", "MTP", "DFLASH", "DSPARK", "
 LEARNED_ALGORITHMS = ("EAGLE3", "MTP", "DFLASH", "DSPARK")
 _ALGO_ALIASES = {"PROMPT_LOOKUP": "NGRAM", "DRAFT_MODEL": "STANDALONE", "EAGLE": "EAGLE3", "NEXTN": "MTP"}
 ACCEPT_RULES = ("auto", "greedy", "sample", "onehot", "block")
+TREE_STEPS, TREE_NODES = 4, 8  # EAGLE-2 tree defaults: depth, nodes besides the root
 
 
 def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:  # noqa: A002
@@ -100,7 +101,7 @@ class EngineConfig:
             if self.speculative_accept == "block":
                 raise ValueError("--speculative-accept block verifies chains; trees (--speculative-eagle-topk > 1) "
                                  "use their own lossless walk: use auto")
-            k, d = self.speculative_eagle_topk, self.speculative_num_steps or 4
+            k, d = self.speculative_eagle_topk, self.speculative_num_steps or TREE_STEPS
             m = self.speculative_num_draft_tokens
             if m is not None and not 1 <= m <= k + (d - 1) * k * k:
                 raise ValueError(f"--speculative-num-draft-tokens must be in [1, {k + (d - 1) * k * k}] for a tree of "

@@ -34,8 +34,9 @@ class Drafter(ABC):
     aux_layers: tuple[int, ...] = ()
     #: draft tokens per step when --speculative-num-draft-tokens is not given.
     default_num_draft_tokens: int = 4
-    #: drafts its whole window in one forward (DFlash, DSpark): window policies may cut after drafting.
-    drafts_block: bool = False
+    #: pays for its whole window up front (DFlash/DSpark blocks: one forward; EAGLE-2 trees: their
+    #: depth), so `confidence` and `cost` choose windows after drafting, from the per-token confidence.
+    drafts_whole_window: bool = False
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         """(request, start, num_tokens) target prefill chunks just run. Default: nothing to build."""

@@ -80,7 +80,7 @@ class BlockDrafter(LearnedDrafter):
     """Runtime for block nets (DFlash, DSpark)."""
 
     net: DFlashNet
-    drafts_block = True
+    drafts_whole_window = True
 
     def __init__(self, engine: "Engine", net: DraftNet, label: str) -> None:
         super().__init__(engine, net, label)

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..core import Proposal, Request
 from ..cache.kv_pool import OutOfPages
+from ..config import TREE_NODES, TREE_STEPS
 from ..models.forward_batch import build_forward_batch
 from .learned import FeatState, LearnedDrafter
 from .nets import DraftLayer, DraftNet, DrafterConfig, paged
@@ -80,9 +81,9 @@ class ChainDrafter(LearnedDrafter):
         super().__init__(engine, net, label)
         c = engine.config
         self.topk = c.speculative_eagle_topk
-        self.steps = c.speculative_num_steps or (4 if self.topk > 1 else 0)
+        self.steps = c.speculative_num_steps or (TREE_STEPS if self.topk > 1 else 0)
         if self.topk > 1:
-            self.default_num_draft_tokens = 8
+            self.default_num_draft_tokens, self.drafts_whole_window = TREE_NODES, True
         elif self.steps:
             self.default_num_draft_tokens = self.steps
 

@@ -22,6 +22,7 @@ import torch
 from ..cache.kv_pool import KVPool
 from ..core import Request
 from ..engine.sampling import sample, target_logits
+from ..spec.window import draft_floor
 from .base import Drafter
 from .nets import DraftNet
 
@@ -60,10 +61,8 @@ class LearnedDrafter(Drafter):
         self.kv = KVPool(net.mcfg, pages, engine.config.page_size, self.dtype)
         self.max_pos = net.cfg.max_position_embeddings
         self.window = engine.config.speculative_draft_window_size  # None = attend to the whole context
-        # stop drafting a request once its cumulative confidence is below what its window policy keeps:
-        # `confidence` cuts there; `cost` never verifies a position that is < 2% likely to be accepted
-        self.stop_below = {"confidence": engine.config.speculative_confidence_threshold, "cost": 0.02}.get(
-            engine.config.speculative_window, 0.0)
+        # stop drafting a request once its cumulative confidence is below what its window policy keeps
+        self.stop_below = draft_floor(engine.config.speculative_window, engine.config.speculative_confidence_threshold)
         self.greedy_draft = os.environ.get("SPECSERVE_GREEDY_DRAFT", "0") == "1"
         self.supplies_q = not self.greedy_draft
         self.vocab = engine.model.cfg.vocab_size

@@ -205,8 +205,8 @@ class Engine:
         costs), and only requests whose plan is > 0 draft at all."""
         window = [self._window(r) for r in reqs]
         policy, predicted = self.config.speculative_window, 0.0
-        whole = self.drafter is not None and (self.drafter.drafts_block or self.config.speculative_eagle_topk > 1)
-        after = self.drafter is not None and (policy == "confidence" or (policy == "cost" and whole))
+        after = self.drafter is not None and (
+            policy == "confidence" or (policy == "cost" and self.drafter.drafts_whole_window))
         if self.cost_model is not None:
             if not self.draft_gate.allow(len(reqs)):
                 window = [0] * len(reqs)

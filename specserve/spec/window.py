@@ -169,6 +169,13 @@ def accept_curves(reqs: list[Request], confidence: list[torch.Tensor | None] | N
     return out
 
 
+def draft_floor(policy: str, threshold: float) -> float:
+    """Cumulative confidence below which a drafter may stop drafting a request: `confidence` cuts
+    there anyway; `cost` never verifies a position that is < 2% likely to be accepted; `fixed` verifies
+    everything it drafts."""
+    return {"confidence": threshold, "cost": 0.02}.get(policy, 0.0)
+
+
 def confidence_windows(curves: list[list[float]], threshold: float) -> list[int]:
     """The longest prefix whose cumulative acceptance probability stays ≥ threshold."""
     return [sum(1 for p in c if p >= threshold) for c in curves]  # curves are non-increasing

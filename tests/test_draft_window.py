@@ -12,7 +12,7 @@ import torch
 from specserve.config import EngineConfig
 from specserve.core import SamplingParams
 from tests.drafter_setup import _spec_llm
-from tests.test_spec_engine import drive
+from tests.spec_helpers import drive
 from tests.tiny import reference_greedy
 
 

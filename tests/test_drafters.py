@@ -25,7 +25,7 @@ from specserve.models.llama import LlamaModel
 from specserve.train.data import FeatureCapture
 from specserve.spec.window import CostModel, DraftGate
 from tests.dist import engine_vs_exact_joint
-from tests.test_spec_engine import drive
+from tests.spec_helpers import drive
 from tests.tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
 
 from tests.drafter_setup import ALGOS, CFG, _spec_llm, _target  # noqa: F401  (the `trained` fixture: conftest.py)

@@ -24,7 +24,7 @@ from specserve.drafters.nets import DrafterConfig
 from specserve.engine.llm import LLM
 from tests.dist import engine_vs_exact_joint
 from tests.drafter_setup import _spec_llm  # the `trained` fixture (tiny trained drafters): conftest.py
-from tests.test_spec_engine import drive
+from tests.spec_helpers import drive
 from tests.tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
 
 

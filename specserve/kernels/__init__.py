@@ -1,0 +1,47 @@
+"""specserve's own C++ CPU kernels, registered as torch ops under `torch.ops.specserve.*`.
+
+Every `csrc/*.cpp` file is compiled into one extension (`torch.utils.cpp_extension.load`); each file
+registers its ops with `TORCH_LIBRARY_FRAGMENT(specserve, m)`, so kernels are added one file at a
+time. The build is cached under ~/.cache/specserve/kernels/<hash of the sources and flags>;
+`scripts/setup.sh` builds it once (`python -m specserve.kernels`), and `load()` builds on first
+use if that was skipped. NOTE: kernels pick their instruction set at run time (CPUID), never at
+compile time, so a cached build stays valid when the VM's CPU kind changes.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
+_loaded = False
+
+
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def build_dir() -> Path:
+    h = hashlib.sha256()
+    for src in sources() + sorted(CSRC.glob("*.h")):
+        h.update(src.name.encode() + src.read_bytes())
+    h.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
+    root = Path(os.environ.get("SPECSERVE_KERNEL_CACHE", Path.home() / ".cache" / "specserve" / "kernels"))
+    d = root / h.hexdigest()[:16]
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def load(verbose: bool = False) -> None:
+    """Build (once) and load the extension; afterwards the ops are under torch.ops.specserve."""
+    global _loaded
+    if _loaded:
+        return
+    from torch.utils.cpp_extension import load as _load
+
+    _load(name="specserve_kernels", sources=[str(s) for s in sources()], extra_cflags=CFLAGS,
+          extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), is_python_module=False, verbose=verbose)
+    _loaded = True

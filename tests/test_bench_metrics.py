@@ -100,3 +100,17 @@ def test_bench_speed_algos_take_per_configuration_overrides(tmp_path) -> None:  
     a.algos = ["NGRAM:speculative-num-draft-tokens=x"]
     with pytest.raises(ValueError, match="expected int"):
         _engines(a)
+
+
+def test_machine_record_names_cpu_and_kernel_paths() -> None:
+    import json
+
+    from specserve.bench.machine import _cpuinfo, machine_info
+
+    info = machine_info()
+    model, flags = _cpuinfo()
+    assert info["cpu_model"] == model and info["cpu_model"]
+    assert set(info["cpu_flags"]) <= flags  # only flags this CPU really has
+    assert ("avx512_vnni" in info["cpu_flags"]) == ("avx512_vnni" in flags)
+    assert info["torch_threads"] >= 1 and set(info["torch_usable"]) >= {"vnni", "amx_tile"}
+    json.dumps(info)  # lands in every result JSON

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 from ..config import add_engine_args
+from .machine import machine_info
 from .workloads import WORKLOADS, Messages, from_jsonl, load
 
 
@@ -39,16 +39,11 @@ def _ver(pkg: str) -> str | None:
 
 def record(cmd: str, a: argparse.Namespace, results: Any, extra: dict[str, Any] | None = None) -> Path:
     """Write results with the machine, versions, model, drafter and flags that produced them."""
-    import os
-
-    import torch
-
     out = Path(a.output) if a.output else Path("bench/results") / f"{cmd}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "command": cmd, "args": {k: v for k, v in vars(a).items() if not callable(v)},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "processor": platform.processor()},
+        "machine": machine_info(),
         "versions": {p: _ver(p) for p in ("specserve", "torch", "transformers", "llama-cpp-python")},
         "results": results, **(extra or {}),
     }

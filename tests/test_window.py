@@ -5,7 +5,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.core import Request
-from specserve.spec.window import CostModel, DraftGate, StepOverhead, cost_windows
+from specserve.spec.cost import CostModel, DraftGate, StepOverhead, cost_windows
 
 from .tiny import reference_greedy, tiny_model
 

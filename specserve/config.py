@@ -13,7 +13,6 @@ from typing import Any
 ACCEPT_RULES = ("auto", "greedy", "sample", "onehot", "block")
 WINDOW_POLICIES = ("fixed", "confidence", "cost")
 VERIFY_PACKINGS = ("compact", "padded")
-TREE_STEPS, TREE_NODES = 4, 8  # EAGLE-2 tree defaults: depth, nodes besides the root
 
 
 def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, unset: Any = None) -> Any:  # noqa: A002

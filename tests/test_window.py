@@ -105,6 +105,21 @@ def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.Monke
     assert CostModel.cached(runner, "tiny", cache_dir=tmp_path).points == first.points
 
 
+def test_cost_curve_is_dense_where_small_windows_fall(tmp_path) -> None:  # noqa: ANN001
+    """Every verify size 1..17 is measured (no interpolation between powers of two), then sparser; a
+    cache of the old sparse curve (its old file name) is not reused."""
+    from specserve.cache.kv_pool import KVPool
+    from specserve.engine.runner import ModelRunner
+    from specserve.spec.cost import COST_SIZES
+
+    m = tiny_model("llama")
+    runner = ModelRunner(m, KVPool(m.cfg, 32, 16, m.dtype))
+    threads = __import__("torch").get_num_threads()
+    (tmp_path / f"tiny-t{threads}.json").write_text("[[1, 1.0], [2, 2.0], [4, 4.0]]")  # an old sparse cache
+    pts = [n for n, _ in CostModel.cached(runner, "tiny", cache_dir=tmp_path).points]
+    assert tuple(pts) == COST_SIZES and pts[:17] == list(range(1, 18)) and pts[17:] == [24, 32, 48, 64]
+
+
 @pytest.mark.parametrize("draft_s,plain_s,expect_draft", [(0.02, 0.03, True), (0.04, 0.03, False)])
 def test_draft_gate_follows_the_faster_arm_and_keeps_exploring(draft_s: float, plain_s: float, expect_draft: bool) -> None:
     gate = DraftGate(warmup=2, explore=5)

@@ -88,6 +88,7 @@ _CAP_FLAGS = {"block": ("speculative_block_size", "speculative_lattice_topk"),
 #: fields that only some algorithms use (every other speculative_* field applies to all of them)
 ALGORITHM_FLAGS = frozenset({n for names in _CAP_FLAGS.values() for n in names} | {
     "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_synthetic_accept_rate"})
+TREE_STEPS, TREE_NODES = 4, 8  # EAGLE-2 tree defaults: depth, nodes besides the root
 #: what AUTO resolves to when a drafter ships for the target (spec/resolve.py); its flags apply to AUTO
 AUTO_ALGORITHM = "DSPARK"
 
@@ -152,7 +153,8 @@ def create_drafter(name: str, ctx: "DrafterContext") -> Drafter:
 
 def validate_flags(c: "EngineConfig") -> None:
     """Refuse, naming the flag, every option the chosen algorithm would silently ignore."""
-    from ..config import TREE_STEPS, flag
+    def flag(name: str) -> str:
+        return name.replace("_", "-")
 
     algo, caps = c.speculative_algorithm, capabilities(c.speculative_algorithm)
     for name in sorted(ALGORITHM_FLAGS - caps.flags()):

@@ -15,8 +15,8 @@ from torch import nn
 
 from ..core import Proposal, Request
 from ..cache.kv_pool import OutOfPages
-from ..config import TREE_NODES, TREE_STEPS
 from ..models.forward_batch import build_forward_batch
+from .base import TREE_NODES, TREE_STEPS
 from .context import DrafterContext
 from .learned import FeatState, LearnedDrafter
 from .nets import DraftLayer, DraftNet, DrafterConfig, paged

@@ -113,10 +113,6 @@ class EngineConfig:
         v = getattr(self, name)
         return self.__dataclass_fields__[name].metadata["unset"] if v is None else v
 
-    def given(self) -> set[str]:
-        """Fields set away from their default (explicitly, or through the environment)."""
-        return {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
-
     @classmethod
     def from_sources(cls, explicit: dict[str, Any] | None = None, environ: typing.Mapping[str, str] | None = None) -> "EngineConfig":
         """Merge explicit values over SPECSERVE_* environment variables over defaults."""

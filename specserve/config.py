@@ -10,15 +10,15 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-SPEC_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE3", "MTP", "DFLASH", "DSPARK", "SYNTHETIC")
-LEARNED_ALGORITHMS = ("EAGLE3", "MTP", "DFLASH", "DSPARK")
-_ALGO_ALIASES = {"PROMPT_LOOKUP": "NGRAM", "DRAFT_MODEL": "STANDALONE", "EAGLE": "EAGLE3", "NEXTN": "MTP"}
 ACCEPT_RULES = ("auto", "greedy", "sample", "onehot", "block")
-TREE_STEPS, TREE_NODES = 4, 8  # EAGLE-2 tree defaults: depth, nodes besides the root
+WINDOW_POLICIES = ("fixed", "confidence", "cost")
+VERIFY_PACKINGS = ("compact", "padded")
 
 
-def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:  # noqa: A002
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, unset: Any = None) -> Any:  # noqa: A002
+    """A field; `unset` is the value a None default stands for (None defaults let validation tell a
+    flag that was given from one that was not: flags that do not apply are refused only when given)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "unset": unset})
 
 
 @dataclass(frozen=True)
@@ -42,30 +42,37 @@ class EngineConfig:
                                                   "EAGLE3/MTP/DFLASH/DSPARK (default: the one shipped for the target)")
     speculative_num_draft_tokens: int | None = _f(None, "draft tokens proposed per request per step (K; default 4, "
                                                   "block drafters: block size − 1; trees: nodes besides the root, "
-                                                  "default 8)")
-    speculative_num_steps: int | None = _f(None, "EAGLE3/MTP: draft depth (chain length with topk 1; tree depth, "
-                                           "default 4, with topk > 1)")
-    speculative_eagle_topk: int = _f(1, "EAGLE3/MTP: children per expanded node; > 1 drafts an EAGLE-2 dynamic "
-                                     "tree (1 = chain)")
-    speculative_dflash_block_size: int | None = _f(None, "DFLASH: block size at serving (≤ the trained one; default it)")
-    speculative_dspark_block_size: int | None = _f(None, "DSPARK: block size at serving (≤ the trained one; default it)")
-    speculative_lattice_topk: int = _f(0, "DFLASH/DSPARK: rerank each drafted block over the top-k candidates per "
-                                       "offset by dynamic programming (per-offset log-probs + Markov transition "
-                                       "scores); 0 = off")
-    speculative_draft_window_size: int | None = _f(None, "EAGLE3/MTP/DFLASH/DSPARK: the drafter attends only to the "
-                                                   "last W committed positions (and its own drafts); draft KV "
-                                                   "pages behind the window are freed (default: all)")
-    speculative_window: str = _f("fixed", "window policy: fixed = K for every request; confidence = the prefix whose "
-                                 "cumulative draft confidence stays >= --speculative-confidence-threshold; cost = "
-                                 "per-request windows maximising expected tokens per second of a measured verify-cost "
-                                 "curve (0 = plain)", ("fixed", "confidence", "cost"))
-    speculative_confidence_threshold: float = _f(0.2, "confidence window: keep draft positions while the cumulative "
-                                                 "acceptance probability is at least this")
+                                                  "default 8; chains: --speculative-num-steps)")
+    speculative_num_steps: int | None = _f(None, "EAGLE3/MTP: draft depth (chain length with topk 1, where it is the "
+                                           "default of --speculative-num-draft-tokens; tree depth, default 4, with topk > 1)")
+    speculative_eagle_topk: int | None = _f(None, "EAGLE3/MTP: children per expanded node; > 1 drafts an EAGLE-2 dynamic "
+                                            "tree (1 = chain)", unset=1)
+    speculative_block_size: int | None = _f(None, "DFLASH/DSPARK: block size at serving (≤ the trained one; default it)")
+    speculative_lattice_topk: int | None = _f(None, "DFLASH/DSPARK: rerank each drafted block over the top-k candidates "
+                                              "per offset by dynamic programming (per-offset log-probs + Markov "
+                                              "transition scores); 0 = off", unset=0)
+    speculative_draft_attention_window: int | None = _f(
+        None, "EAGLE3/MTP/DFLASH/DSPARK: the drafter attends only to the last W committed positions (and its own "
+        "drafts); draft KV pages behind them are freed (default: all)")
+    speculative_window: str | None = _f(None, "verify-window policy: fixed = K for every request; confidence = the prefix "
+                                        "whose cumulative draft confidence stays >= --speculative-confidence-threshold; "
+                                        "cost = per-request windows maximising expected tokens per second of a measured "
+                                        "verify-cost curve (0 = plain). Default: confidence for DSPARK, cost for AUTO, "
+                                        "fixed otherwise", WINDOW_POLICIES)
+    speculative_confidence_threshold: float | None = _f(None, "confidence window: keep draft positions while the "
+                                                        "cumulative acceptance probability is at least this", unset=0.2)
     speculative_accept: str = _f("auto", "acceptance rule at temperature > 0 (greedy always at 0)", ACCEPT_RULES)
-    speculative_ngram_min_match: int = _f(1, "NGRAM: shortest suffix to match")
-    speculative_ngram_max_match: int = _f(4, "NGRAM: longest suffix to match")
-    speculative_synthetic_accept_rate: float = _f(0.7, "SYNTHETIC: probability each drafted token is the target's")
-    speculative_draft_dtype: str | None = _f(None, "dtype of the draft model (default: the target's)")
+    speculative_verify_packing: str = _f("compact", "ragged verify batch: compact = windows back to back (the "
+                                         "linear layers see sum(k+1) rows); padded = every window padded to the "
+                                         "longest", VERIFY_PACKINGS)
+    speculative_greedy_draft: bool | None = _f(None, "model drafters draft by argmax at every temperature "
+                                               "(deterministic drafts, verified one-hot)", unset=False)
+    speculative_ngram_min_match: int | None = _f(None, "NGRAM: shortest suffix to match", unset=1)
+    speculative_ngram_max_match: int | None = _f(None, "NGRAM: longest suffix to match", unset=4)
+    speculative_synthetic_accept_rate: float | None = _f(None, "SYNTHETIC: probability each drafted token is the "
+                                                         "target's", unset=0.7)
+    speculative_draft_dtype: str | None = _f(None, "dtype of the draft model (default: the target's)",
+                                             ("auto", "float32", "bfloat16", "float64"))
 
     def __post_init__(self) -> None:
         algo = self.speculative_algorithm
@@ -73,55 +80,38 @@ class EngineConfig:
             algo = None
             object.__setattr__(self, "speculative_algorithm", None)
         if algo is not None:
-            algo = _ALGO_ALIASES.get(algo.upper(), algo.upper())
-            if algo not in SPEC_ALGORITHMS + ("AUTO",):
-                raise ValueError(f"--speculative-algorithm: unknown {self.speculative_algorithm!r}; "
-                                 f"choose one of {', '.join(SPEC_ALGORITHMS)}")
-            object.__setattr__(self, "speculative_algorithm", algo)
+            from .drafters.base import canonical_algorithm  # the registry is the one list of algorithms
+
+            object.__setattr__(self, "speculative_algorithm", canonical_algorithm(algo))
         for f in dataclasses.fields(self):
             ch = f.metadata.get("choices")
             if ch and getattr(self, f.name) is not None and getattr(self, f.name) not in ch:
                 raise ValueError(f"--{flag(f.name)}: {getattr(self, f.name)!r} is not one of {', '.join(ch)}")
-        for name in ("page_size", "max_prefill_tokens", "max_running_requests", "speculative_ngram_min_match"):
-            if getattr(self, name) < 1:
+        for name in ("page_size", "max_prefill_tokens", "max_running_requests", "speculative_ngram_min_match",
+                     "speculative_draft_attention_window"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
-        if self.speculative_num_draft_tokens is not None and not 0 <= self.speculative_num_draft_tokens <= 64:
-            raise ValueError(f"--speculative-num-draft-tokens must be in [0, 64], got {self.speculative_num_draft_tokens}")
-        for name in ("speculative_dflash_block_size", "speculative_dspark_block_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 2:
-                raise ValueError(f"--{flag(name)} must be >= 2 (an anchor and at least one MASK), got {getattr(self, name)}")
-        if self.speculative_num_steps is not None and not 1 <= self.speculative_num_steps <= 32:
-            raise ValueError(f"--speculative-num-steps must be in [1, 32], got {self.speculative_num_steps}")
-        if not 1 <= self.speculative_eagle_topk <= 16:
-            raise ValueError(f"--speculative-eagle-topk must be in [1, 16], got {self.speculative_eagle_topk}")
-        if self.speculative_eagle_topk > 1 and self.speculative_algorithm is not None:  # plain decoding ignores it
-            if self.speculative_algorithm not in ("EAGLE3", "MTP"):
-                raise ValueError("--speculative-eagle-topk > 1 drafts EAGLE-2 trees, which need "
-                                 f"--speculative-algorithm EAGLE3 or MTP (got {self.speculative_algorithm})")
-            if self.speculative_accept == "block":
-                raise ValueError("--speculative-accept block verifies chains; trees (--speculative-eagle-topk > 1) "
-                                 "use their own lossless walk: use auto")
-            k, d = self.speculative_eagle_topk, self.speculative_num_steps or TREE_STEPS
-            m = self.speculative_num_draft_tokens
-            if m is not None and not 1 <= m <= k + (d - 1) * k * k:
-                raise ValueError(f"--speculative-num-draft-tokens must be in [1, {k + (d - 1) * k * k}] for a tree of "
-                                 f"depth {d} and topk {k}, got {m}")
-        if not 0 <= self.speculative_lattice_topk <= 64:
-            raise ValueError(f"--speculative-lattice-topk must be in [0, 64], got {self.speculative_lattice_topk}")
-        if self.speculative_draft_window_size is not None and self.speculative_algorithm is not None:
-            if self.speculative_draft_window_size < 1:
-                raise ValueError(f"--speculative-draft-window-size must be >= 1, got {self.speculative_draft_window_size}")
-            if self.speculative_algorithm not in LEARNED_ALGORITHMS + ("AUTO",):
-                raise ValueError("--speculative-draft-window-size applies to the learned drafters (EAGLE3, MTP, DFLASH, "
-                                 f"DSPARK), not {self.speculative_algorithm}")
-        if self.speculative_ngram_max_match < self.speculative_ngram_min_match:
+        ranges = {"speculative_num_draft_tokens": (0, 64), "speculative_num_steps": (1, 32),
+                  "speculative_eagle_topk": (1, 16), "speculative_lattice_topk": (0, 64),
+                  "speculative_confidence_threshold": (0.0, 1.0), "speculative_synthetic_accept_rate": (0.0, 1.0)}
+        for name, (lo, hi) in ranges.items():
+            v = getattr(self, name)
+            if v is not None and not lo <= v <= hi:
+                raise ValueError(f"--{flag(name)} must be in [{lo}, {hi}], got {v}")
+        if self.speculative_block_size is not None and self.speculative_block_size < 2:
+            raise ValueError(f"--speculative-block-size must be >= 2 (an anchor and at least one MASK), "
+                             f"got {self.speculative_block_size}")
+        if self.value("speculative_ngram_max_match") < self.value("speculative_ngram_min_match"):
             raise ValueError("--speculative-ngram-max-match must be >= --speculative-ngram-min-match")
-        if not 0.0 <= self.speculative_confidence_threshold <= 1.0:
-            raise ValueError("--speculative-confidence-threshold must be in [0, 1]")
-        if not 0.0 <= self.speculative_synthetic_accept_rate <= 1.0:
-            raise ValueError("--speculative-synthetic-accept-rate must be in [0, 1]")
-        if self.speculative_algorithm == "STANDALONE" and not self.speculative_draft_model_path:
-            raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+        if self.speculative_algorithm is not None:  # plain decoding ignores the speculative flags
+            from .drafters.base import validate_flags
+
+            validate_flags(self)
+
+    def value(self, name: str) -> Any:
+        """The field's value, or what its None default stands for."""
+        v = getattr(self, name)
+        return self.__dataclass_fields__[name].metadata["unset"] if v is None else v
 
     @classmethod
     def from_sources(cls, explicit: dict[str, Any] | None = None, environ: typing.Mapping[str, str] | None = None) -> "EngineConfig":
@@ -161,9 +151,18 @@ def parse_field(text: str, f: dataclasses.Field, source: str, owner: type | None
     """`text` (an environment variable or a `--algos` override) as the field's type; errors name `source`."""
     t = _base_type(f, owner)
     try:
-        return t(text)
+        return _parse_bool(text) if t is bool else t(text)
     except ValueError:
         raise ValueError(f"{source}: expected {t.__name__}, got {text!r}") from None
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, owner: type | None = None) -> None:
@@ -172,9 +171,11 @@ def add_engine_args(parser: argparse.ArgumentParser, owner: type | None = None) 
     for f in dataclasses.fields(owner or EngineConfig):
         if f.name == "model":
             continue
-        parser.add_argument(f"--{flag(f.name)}", dest=f.name, type=_base_type(f, owner), default=None,
+        t = _base_type(f, owner)
+        parser.add_argument(f"--{flag(f.name)}", dest=f.name, type=_parse_bool if t is bool else t, default=None,
                             choices=f.metadata.get("choices"),
-                            help=f"{f.metadata['help']} [env {env_name(f.name)}; default {f.default}]")
+                            help=f"{f.metadata['help']} [env {env_name(f.name)}; default "
+                                 f"{f.default if f.default is not None else f.metadata.get('unset')}]")
 
 
 def config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:

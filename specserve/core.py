@@ -165,6 +165,32 @@ class Proposal:
     def empty(batch_size: int) -> "Proposal":
         return Proposal(tokens=[[] for _ in range(batch_size)])
 
+    def split(self) -> list["Proposal"]:
+        """One single-request proposal per request."""
+        def one(xs: list | None, b: int) -> list | None:
+            return None if xs is None else [xs[b]]
+
+        return [Proposal([t], one(self.q, b), one(self.confidence, b), one(self.parents, b))
+                for b, t in enumerate(self.tokens)]
+
+    @staticmethod
+    def join(parts: list["Proposal"]) -> "Proposal":
+        def cat(name: str) -> list | None:
+            if all(getattr(p, name) is None for p in parts):
+                return None
+            return [x for p in parts for x in (getattr(p, name) or [None] * len(p.tokens))]
+
+        return Proposal([t for p in parts for t in p.tokens], cat("q"), cat("confidence"), cat("parents"))
+
+    def truncate(self, windows: list[int]) -> "Proposal":
+        """The first windows[b] drafts of each request (a prefix of a tree proposal is a tree: nodes
+        are in topological order)."""
+        def cut(xs: list | None) -> list | None:
+            return None if xs is None else [None if x is None else x[:w] for x, w in zip(xs, windows)]
+
+        return Proposal([t[:w] for t, w in zip(self.tokens, windows)], cut(self.q), cut(self.confidence),
+                        cut(self.parents))
+
 
 @dataclass
 class AcceptResult:

@@ -111,5 +111,5 @@ def rand_plan(rng: random.Random, n: int, max_join: int = 6) -> list[tuple[int, 
 
 @pytest.fixture(params=["compact", "padded"])
 def verify_mode(request, monkeypatch):  # noqa: ANN001, ANN201
-    monkeypatch.setenv("SPECSERVE_RAGGED_VERIFY_MODE", request.param)
+    monkeypatch.setenv("SPECSERVE_SPECULATIVE_VERIFY_PACKING", request.param)
     return request.param

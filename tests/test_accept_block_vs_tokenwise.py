@@ -12,7 +12,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from specserve.spec.accept import accept_block, accept_sample
+from specserve.spec.rules import accept_block, accept_sample
 from tests.accept_helpers import exact_n_y
 from tests.accept_helpers import _one_thread  # noqa: F401  (autouse: one intra-op thread)
 

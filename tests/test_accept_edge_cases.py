@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.spec import accept as acc
-from specserve.spec.accept import accept_block, accept_greedy, accept_onehot, accept_sample
+from specserve.spec import rules as acc
+from specserve.spec.rules import accept_block, accept_greedy, accept_onehot, accept_sample
 from tests.accept_helpers import encode, reference_tv, threshold, tv
 from tests.accept_helpers import _one_thread  # noqa: F401  (autouse: one intra-op thread)
 
@@ -111,7 +111,7 @@ def test_accept_request_keeps_fp32_precision_for_bf16_logits(monkeypatch, rule: 
     q exactly as the draft sampled from it (fp32). Rounding q to bf16 before the ratio test, or a
     bf16 softmax for p (sums to 1 ± ~1e-3), biases the output by ~5e-4 TV per position."""
     from specserve.core import Request, SamplingParams
-    from specserve.spec import rules
+    from specserve.spec import accept
 
     V = 64
     g = torch.Generator().manual_seed(0)
@@ -123,9 +123,9 @@ def test_accept_request_keeps_fp32_precision_for_bf16_logits(monkeypatch, rule: 
         seen.update(p=p, q=q_in)
         return 0, 0
 
-    monkeypatch.setattr(rules, f"accept_{rule}", spy)
+    monkeypatch.setattr(accept, f"accept_{rule}", spy)
     req = Request("r", [1, 2], SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(1))
-    rules.accept_request(req, raw, [int(q[0].argmax()), int(q[1].argmax())], q, rule)
+    accept.accept_request(req, raw, [int(q[0].argmax()), int(q[1].argmax())], q, rule)
     assert seen["p"].dtype in (torch.float32, torch.float64)
     assert torch.allclose(seen["p"].double().sum(-1), torch.ones(3, dtype=torch.float64), atol=1e-6)
     assert torch.equal(seen["q"].double(), q.double())  # not rounded

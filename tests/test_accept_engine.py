@@ -5,6 +5,7 @@ independent reference of temperature → top-k → top-p; the same threshold rej
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -90,10 +91,11 @@ def in_memory_standalone(monkeypatch):  # noqa: ANN001
     """Make STANDALONE draft with an in-memory tiny model (a different one than the target)."""
     from specserve.drafters import base, standalone
 
-    monkeypatch.delenv("SPECSERVE_GREEDY_DRAFT", raising=False)
+    monkeypatch.delenv("SPECSERVE_SPECULATIVE_GREEDY_DRAFT", raising=False)
     draft = tiny_model(vocab=VOCAB, seed=11, layers=1)
-    monkeypatch.setitem(base._REGISTRY, "STANDALONE",
-                        lambda eng: standalone.StandaloneDrafter(standalone.build_draft_runner(eng, draft)))
+    entry = base.registry()["STANDALONE"]
+    monkeypatch.setitem(base._REGISTRY, "STANDALONE", dataclasses.replace(
+        entry, factory=lambda ctx: standalone.StandaloneDrafter(standalone.build_draft_runner(ctx, draft))))
 
 
 @pytest.mark.parametrize("case", list(ENGINE_CASES))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.spec.accept import accept_greedy
+from specserve.spec.rules import accept_greedy
 from tests.accept_helpers import _one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 

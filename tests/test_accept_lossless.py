@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.spec.accept import accept_block, accept_sample
+from specserve.spec.rules import accept_block, accept_sample
 from tests.accept_helpers import Toy, encode, exact_n_y, reference_tv, run_rounds, threshold, tv
 from tests.accept_helpers import _one_thread  # noqa: F401  (autouse: one intra-op thread)
 

@@ -20,7 +20,7 @@ from tests.tiny import reference_greedy
                                        ("eagle3", {"speculative_eagle_topk": 3, "speculative_num_steps": 3})])
 def test_draft_window_reads_only_the_window(trained: dict, algo: str, opts: dict) -> None:
     W = 6
-    llm = _spec_llm(trained, algo, speculative_draft_window_size=W, page_size=4, **opts)
+    llm = _spec_llm(trained, algo, speculative_draft_attention_window=W, page_size=4, **opts)
     dr = llm.engine.drafter
     seen = {"poisoned": 0, "freed": 0}
 
@@ -43,13 +43,13 @@ def test_draft_window_reads_only_the_window(trained: dict, algo: str, opts: dict
     assert seen["poisoned"] > 0 and seen["freed"] > 0, seen
     assert dr.state == {} and dr.kv.allocator.num_free == dr.kv.allocator.num_pages
     # the same run without poison drafts exactly the same: nothing behind the window was read
-    clean = drive(_spec_llm(trained, algo, speculative_draft_window_size=W, page_size=4, **opts), plan)
+    clean = drive(_spec_llm(trained, algo, speculative_draft_attention_window=W, page_size=4, **opts), plan)
     assert [r.spec_accepted_per_pos for r in reqs] == [r.spec_accepted_per_pos for r in clean]
     assert sum(r.spec_accepted_tokens for r in reqs) > 0
 
 
 def test_draft_window_flag_is_validated() -> None:
-    with pytest.raises(ValueError, match="--speculative-draft-window-size must be >= 1"):
-        EngineConfig(speculative_algorithm="DSPARK", speculative_draft_window_size=0)
-    with pytest.raises(ValueError, match="--speculative-draft-window-size applies to the learned drafters"):
-        EngineConfig(speculative_algorithm="NGRAM", speculative_draft_window_size=64)
+    with pytest.raises(ValueError, match="--speculative-draft-attention-window must be >= 1"):
+        EngineConfig(speculative_algorithm="DSPARK", speculative_draft_attention_window=0)
+    with pytest.raises(ValueError, match="--speculative-draft-attention-window does not apply to --speculative-algorithm NGRAM"):
+        EngineConfig(speculative_algorithm="NGRAM", speculative_draft_attention_window=64)

@@ -23,7 +23,7 @@ from specserve.drafters.nets import DrafterConfig
 from specserve.engine.llm import LLM
 from specserve.models.llama import LlamaModel
 from specserve.train.data import FeatureCapture
-from specserve.spec.window import CostModel, DraftGate
+from specserve.spec.cost import CostModel, DraftGate
 from tests.dist import engine_vs_exact_joint
 from tests.spec_helpers import drive
 from tests.tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
@@ -63,13 +63,13 @@ def test_mismatched_drafter_is_refused(trained: dict, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="none ships"):
         LLM.from_model(_target(), speculative_algorithm="DFLASH")
     with pytest.raises(ValueError, match="block size"):
-        LLM.from_model(_target(), speculative_algorithm="DSPARK", speculative_dspark_block_size=12,
+        LLM.from_model(_target(), speculative_algorithm="DSPARK", speculative_block_size=12,
                        speculative_draft_model_path=str(trained["artifacts"]["dspark"]))
 
 
 @pytest.mark.parametrize("algo,opts", [
     ("eagle3", {}), ("eagle3", {"speculative_num_draft_tokens": 1}), ("eagle3", {"speculative_num_draft_tokens": 7}),
-    ("mtp", {}), ("dflash", {}), ("dflash", {"speculative_dflash_block_size": 3}),
+    ("mtp", {}), ("dflash", {}), ("dflash", {"speculative_block_size": 3}),
     ("dspark", {}), ("dspark", {"speculative_num_draft_tokens": 2}), ("dspark", {"page_size": 4}),
 ])
 def test_greedy_equals_plain(trained: dict, algo: str, opts: dict) -> None:
@@ -175,7 +175,9 @@ def test_window_policies_stay_lossless_and_never_stall(trained: dict, algo: str,
     rng = random.Random(11)
     plan = [(i % 3, [rng.randrange(97) for _ in range(rng.randint(1, 20))], SamplingParams(temperature=0, max_tokens=40))
             for i in range(5)]
-    llm = _spec_llm(trained, algo, speculative_window=policy, speculative_confidence_threshold=0.3, **opts)
+    if policy == "confidence":
+        opts = {**opts, "speculative_confidence_threshold": 0.3}
+    llm = _spec_llm(trained, algo, speculative_window=policy, **opts)
     dr, stopped = llm.engine.drafter, []
     propose = dr.propose
 
@@ -209,7 +211,7 @@ def test_cost_policy_skips_drafting_when_a_drafting_request_costs_too_much(train
     for per_request, drafts in ((10.0, False), (0.0, True)):
         llm = _spec_llm(trained, algo, speculative_window="cost", **opts)
         eng = llm.engine
-        eng.step_overhead.per_request, eng.step_overhead.decay = per_request, 1.0  # decay 1: keep it fixed
+        eng.policy.step_overhead.per_request, eng.policy.step_overhead.decay = per_request, 1.0  # decay 1: keep it fixed
         calls = []
         propose = eng.drafter.propose
         eng.drafter.propose = lambda reqs, window: calls.append(window) or propose(reqs, window)  # noqa: B023

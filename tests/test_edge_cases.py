@@ -12,7 +12,9 @@ from .tiny import reference_greedy, tiny_model
 def test_seeded_request_independent_of_neighbours_under_speculation(algo: str) -> None:
     m = tiny_model("llama", vocab=11, seed=9)
     sp = SamplingParams(temperature=1.0, max_tokens=16, seed=123)
-    opts = dict(speculative_algorithm=algo, speculative_num_draft_tokens=4, speculative_synthetic_accept_rate=0.5)
+    opts = dict(speculative_algorithm=algo, speculative_num_draft_tokens=4)
+    if algo == "SYNTHETIC":
+        opts["speculative_synthetic_accept_rate"] = 0.5
     alone = LLM.from_model(m, **opts).generate([[1, 2, 3]], sp)[0].token_ids
     crowd = LLM.from_model(m, **opts).generate(
         [[4, 5], [1, 2, 3], [6] * 9], [SamplingParams(temperature=1.0, max_tokens=16, seed=7), sp,

@@ -132,7 +132,7 @@ def test_lattice_with_confidence_windows_and_short_block(trained: dict) -> None:
     rng = random.Random(5)
     plan = [(i % 3, [rng.randrange(97) for _ in range(rng.randint(1, 20))], SamplingParams(temperature=0, max_tokens=25))
             for i in range(4)]
-    llm = _spec_llm(trained, "dspark", speculative_lattice_topk=3, speculative_dspark_block_size=3,
+    llm = _spec_llm(trained, "dspark", speculative_lattice_topk=3, speculative_block_size=3,
                     speculative_window="confidence", speculative_confidence_threshold=0.3)
     seen, reqs = _recorded_proposals(llm, plan, with_reqs=True)
     for (_, prompt, _), r in zip(plan, reqs):

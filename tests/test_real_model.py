@@ -49,8 +49,8 @@ def test_greedy_matches_hf_transformers(plain: list[list[int]], prompt_ids: list
 
 @pytest.mark.parametrize("algo", ["NGRAM", "SYNTHETIC"])
 def test_spec_equals_plain_on_smollm2(algo: str, prompt_ids: list[list[int]], plain: list[list[int]]) -> None:
-    spec = LLM("smollm2-135m", dtype="float32", speculative_algorithm=algo, speculative_num_draft_tokens=5,
-               speculative_synthetic_accept_rate=0.6)
+    rate = {"speculative_synthetic_accept_rate": 0.6} if algo == "SYNTHETIC" else {}
+    spec = LLM("smollm2-135m", dtype="float32", speculative_algorithm=algo, speculative_num_draft_tokens=5, **rate)
     outs = spec.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain
     assert sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0

@@ -90,7 +90,7 @@ def test_padded_verify_near_context_end() -> None:
     for mode in ("compact", "padded"):
         for ps in (4, 16):
             with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("SPECSERVE_RAGGED_VERIFY_MODE", mode)
+                mp.setenv("SPECSERVE_SPECULATIVE_VERIFY_PACKING", mode)
                 plan = [(0, [1], SamplingParams(temperature=0, max_tokens=36)),
                         (0, list(range(1, 24)), SamplingParams(temperature=0, max_tokens=100)),
                         (0, list(range(1, 33)), SamplingParams(temperature=0, max_tokens=100))]

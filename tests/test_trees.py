@@ -19,8 +19,9 @@ import torch
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
 from specserve.core import SamplingParams
-from specserve.spec.accept import accept_onehot, walk_tree
-from specserve.spec.tree import ancestor_mask, chain_parents, compact_path, depths
+from specserve.spec.rules import accept_onehot, walk_tree
+from specserve.spec.commit import KeepPath, compact_path
+from specserve.spec.tree import ancestor_mask, chain_parents, depths
 from tests.drafter_setup import _spec_llm
 from tests.spec_helpers import drive
 from tests.tiny import reference_greedy, tiny_config
@@ -79,15 +80,15 @@ TREES = [{"speculative_eagle_topk": 3, "speculative_num_steps": 4},
 
 @pytest.mark.parametrize("algo,opts,mode", [("eagle3", TREES[0], "compact"), ("eagle3", TREES[1], "padded"),
                                             ("eagle3", TREES[2], "compact"), ("mtp", TREES[0], "compact")])
-def test_tree_greedy_equals_plain(trained: dict, algo: str, opts: dict, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPECSERVE_RAGGED_VERIFY_MODE", mode)
+def test_tree_greedy_equals_plain(trained: dict, algo: str, opts: dict, mode: str) -> None:
     rng = random.Random(7)
     plan = [(i % 4, [rng.randrange(97) for _ in range(rng.randint(1, 30))], SamplingParams(temperature=0, max_tokens=30))
             for i in range(6)]
-    llm = _spec_llm(trained, algo, **opts)
+    llm = _spec_llm(trained, algo, speculative_verify_packing=mode, **opts)
     eng = llm.engine
     seen: dict[str, int] = {"trees": 0, "off_chain": 0}
-    propose, accept = eng.drafter.propose, eng._apply
+    keep = next(s for s in eng.commit_stage.steps if isinstance(s, KeepPath))
+    propose, keep_path = eng.drafter.propose, keep.apply
 
     def checked_propose(reqs, window):  # noqa: ANN001, ANN202
         prop = propose(reqs, window)
@@ -107,12 +108,13 @@ def test_tree_greedy_equals_plain(trained: dict, algo: str, opts: dict, mode: st
             seen["trees"] += 1
         return prop
 
-    def counting_apply(r, res, raw, num_draft):  # noqa: ANN001, ANN202
-        if res.path and res.path != list(range(len(res.path))):
-            seen["off_chain"] += 1
-        return accept(r, res, raw, num_draft)
+    def counting_keep(items):  # noqa: ANN001, ANN202
+        for c in items:
+            if c.result.path and c.result.path != list(range(len(c.result.path))):
+                seen["off_chain"] += 1
+        return keep_path(items)
 
-    eng.drafter.propose, eng._apply = checked_propose, counting_apply
+    eng.drafter.propose, keep.apply = checked_propose, counting_keep
     reqs = drive(llm, plan)
     for (_, prompt, _), r in zip(plan, reqs):
         assert r.output_ids == reference_greedy(eng.model, prompt, 30)
@@ -122,7 +124,8 @@ def test_tree_greedy_equals_plain(trained: dict, algo: str, opts: dict, mode: st
 
 
 @pytest.mark.parametrize("opts,msg", [
-    ({"speculative_algorithm": "DSPARK", "speculative_eagle_topk": 2}, "--speculative-eagle-topk > 1"),
+    ({"speculative_algorithm": "DSPARK", "speculative_eagle_topk": 2},
+     "--speculative-eagle-topk does not apply to --speculative-algorithm DSPARK"),
     ({"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 2, "speculative_accept": "block"}, "--speculative-accept block"),
     ({"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 2, "speculative_num_steps": 2,
       "speculative_num_draft_tokens": 7}, r"--speculative-num-draft-tokens must be in \[1, 6\]"),

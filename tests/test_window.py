@@ -5,7 +5,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.core import Request
-from specserve.spec.window import CostModel, DraftGate, StepOverhead, cost_windows
+from specserve.spec.cost import CostModel, DraftGate, StepOverhead, cost_windows
 
 from .tiny import reference_greedy, tiny_model
 
@@ -103,6 +103,21 @@ def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.Monke
     assert runner.kv.allocator.num_free == runner.kv.allocator.num_pages  # measuring leaks no pages
     monkeypatch.setattr(CostModel, "measure", staticmethod(lambda *a, **k: pytest.fail("measured twice")))
     assert CostModel.cached(runner, "tiny", cache_dir=tmp_path).points == first.points
+
+
+def test_cost_curve_is_dense_where_small_windows_fall(tmp_path) -> None:  # noqa: ANN001
+    """Every verify size 1..17 is measured (no interpolation between powers of two), then sparser; a
+    cache of the old sparse curve (its old file name) is not reused."""
+    from specserve.cache.kv_pool import KVPool
+    from specserve.engine.runner import ModelRunner
+    from specserve.spec.cost import COST_SIZES
+
+    m = tiny_model("llama")
+    runner = ModelRunner(m, KVPool(m.cfg, 32, 16, m.dtype))
+    threads = __import__("torch").get_num_threads()
+    (tmp_path / f"tiny-t{threads}.json").write_text("[[1, 1.0], [2, 2.0], [4, 4.0]]")  # an old sparse cache
+    pts = [n for n, _ in CostModel.cached(runner, "tiny", cache_dir=tmp_path).points]
+    assert tuple(pts) == COST_SIZES and pts[:17] == list(range(1, 18)) and pts[17:] == [24, 32, 48, 64]
 
 
 @pytest.mark.parametrize("draft_s,plain_s,expect_draft", [(0.02, 0.03, True), (0.04, 0.03, False)])

@@ -11,22 +11,18 @@ import dataclasses
 import logging
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 from safetensors.torch import load_file, save_file
 
 from ..models.config import ModelConfig
 from ..models.llama import LlamaModel
-from .base import Drafter, register_drafter
+from .base import Capabilities, Drafter, register_drafter
+from .context import DrafterContext
 from .dflash import BlockDrafter, DFlashNet
 from .dspark import DSparkNet
 from .eagle3 import ChainDrafter, Eagle3Net
 from .mtp import MtpNet
 from .nets import DraftNet, DrafterConfig
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
 
 log = logging.getLogger("specserve")
 NETS: dict[str, type[DraftNet]] = {"eagle3": Eagle3Net, "mtp": MtpNet, "dflash": DFlashNet, "dspark": DSparkNet}
@@ -83,7 +79,7 @@ def load_drafter(path: str | Path, target: LlamaModel, dtype: torch.dtype = torc
     check_target(cfg, target.cfg, path)
     if block_size is not None:
         if not cfg.is_block or block_size > cfg.block_size:
-            raise ValueError(f"--speculative-{cfg.algorithm}-block-size {block_size}: this drafter was trained "
+            raise ValueError(f"--speculative-block-size {block_size}: this drafter was trained "
                              f"with block size {cfg.block_size}; use a value in [2, {cfg.block_size}]")
         cfg = dataclasses.replace(cfg, block_size=block_size)
     net = build_net(cfg)
@@ -106,30 +102,34 @@ def shipped_drafter(target: ModelConfig, algorithm: str) -> Path | None:
 
 
 def _factory(algorithm: str):  # noqa: ANN202
-    def make(engine: "Engine") -> Drafter:
-        c, t = engine.config, engine.model
+    def make(ctx: DrafterContext) -> Drafter:
+        c, t = ctx.config, ctx.target
         path = c.speculative_draft_model_path or shipped_drafter(t.cfg, algorithm)
         if path is None:
             raise ValueError(f"--speculative-draft-model-path: no {algorithm.upper()} drafter given and none ships for "
                              f"{t.cfg.name!r}; train one: specserve train-drafter --target {c.model} --algorithm {algorithm}")
-        if c.speculative_draft_dtype is not None:
-            dtype = engine.resolve_dtype(c.speculative_draft_dtype)
-        else:
-            dtype = torch.float64 if engine.dtype == torch.float64 else torch.float32
-        block = {"dflash": c.speculative_dflash_block_size, "dspark": c.speculative_dspark_block_size}.get(algorithm)
-        net = load_drafter(path, t, dtype, block)
+        dtype = ctx.draft_dtype(torch.float64 if t.dtype == torch.float64 else torch.float32, quantized=False)
+        net = load_drafter(path, t, dtype, c.speculative_block_size)
         if net.cfg.algorithm != algorithm:
             raise ValueError(f"--speculative-draft-model-path: {path} is a {net.cfg.algorithm.upper()} drafter, "
                              f"not {algorithm.upper()}; pass --speculative-algorithm {net.cfg.algorithm.upper()}")
         runtime = BlockDrafter if net.cfg.is_block else ChainDrafter
-        drafter = runtime(engine, net, algorithm.upper())
+        drafter = runtime(ctx, net, algorithm.upper())
         drafter.path = Path(path)
         if net.cfg.is_block:
-            drafter.default_num_draft_tokens = net.cfg.block_size - 1
+            B, k = net.cfg.block_size, c.speculative_num_draft_tokens
+            if k is not None and k > B - 1:
+                raise ValueError(f"--speculative-num-draft-tokens {k} exceeds the block: {path} drafts blocks of "
+                                 f"{B} (at most {B - 1} tokens); lower it or omit it")
+            drafter.default_num_draft_tokens = B - 1
         return drafter
 
     return make
 
 
-for _algo in NETS:
-    register_drafter(_algo.upper())(_factory(_algo))
+_CHAIN = Capabilities(tree=True, features=True, samples=True, draft_model=True)
+_BLOCK = Capabilities(block=True, features=True, samples=True, draft_model=True)
+register_drafter("EAGLE3", _CHAIN, aliases=("EAGLE",))(_factory("eagle3"))
+register_drafter("MTP", _CHAIN, aliases=("NEXTN",))(_factory("mtp"))
+register_drafter("DFLASH", _BLOCK)(_factory("dflash"))
+register_drafter("DSPARK", dataclasses.replace(_BLOCK, default_window="confidence"))(_factory("dspark"))

@@ -1,4 +1,4 @@
-"""Drafter contract and registry.
+"""Drafter contract and registry: the one list of speculative algorithms and what each can do.
 
 A drafter proposes up to `window[b]` tokens for each decoding request. Lifecycle per request:
   prefill(chunks, feats)                after each target prefill chunk (build draft-side state)
@@ -10,10 +10,16 @@ the prefill chunk's tokens, or the verify window's rows) — None for drafters t
   release(req)                          at finish / abort / preemption: free draft-side state
 NOTE: after commit, the drafter must agree with the target about what is committed: anything it
 built for rejected drafts is dropped (truncated), never reused.
+
+Adding a drafter: one module with a factory `(DrafterContext) → Drafter` decorated with
+`@register_drafter(NAME, Capabilities(...))`, and its module name in `_MODULES`. Config validation
+(`validate_flags`) reads the capabilities: a flag the algorithm does not use is refused by name.
 """
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -21,7 +27,8 @@ import torch
 from ..core import Proposal, Request
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
+    from ..config import EngineConfig
+    from .context import DrafterContext
 
 
 class Drafter(ABC):
@@ -35,7 +42,7 @@ class Drafter(ABC):
     #: draft tokens per step when --speculative-num-draft-tokens is not given.
     default_num_draft_tokens: int = 4
     #: pays for its whole window up front (DFlash/DSpark blocks: one forward; EAGLE-2 trees: their
-    #: depth), so `confidence` and `cost` choose windows after drafting, from the per-token confidence.
+    #: depth), so window policies that weigh cost choose windows after drafting, from the confidence.
     drafts_whole_window: bool = False
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
@@ -52,20 +59,130 @@ class Drafter(ABC):
         """Forget a request's draft-side state."""
 
 
-_REGISTRY: dict[str, Callable[["Engine"], Drafter]] = {}
+@dataclass(frozen=True)
+class Capabilities:
+    """What an algorithm does, hence which flags apply to it (`flags`)."""
+
+    block: bool = False  # drafts a block in one forward: --speculative-block-size, --speculative-lattice-topk
+    tree: bool = False  # chain runtime with depth and EAGLE-2 trees: --speculative-num-steps, --speculative-eagle-topk
+    features: bool = False  # consumes target hidden states: --speculative-draft-attention-window
+    samples: bool = False  # samples drafts with q at T > 0 (sample/block acceptance): --speculative-greedy-draft
+    draft_model: bool = False  # loads a draft model: --speculative-draft-model-path, --speculative-draft-dtype
+    needs_draft_model_path: bool = False  # no default draft model ships
+    default_window: str = "fixed"  # verify-window policy when --speculative-window is not given
+    extra_flags: tuple[str, ...] = ()  # the algorithm's own fields (e.g. NGRAM's match lengths)
+
+    def flags(self) -> frozenset[str]:
+        out = set(self.extra_flags)
+        for cap, names in _CAP_FLAGS.items():
+            if getattr(self, cap):
+                out |= set(names)
+        return frozenset(out)
 
 
-def register_drafter(name: str) -> Callable[[Callable[["Engine"], Drafter]], Callable[["Engine"], Drafter]]:
-    def deco(factory: Callable[["Engine"], Drafter]) -> Callable[["Engine"], Drafter]:
-        _REGISTRY[name] = factory
+_CAP_FLAGS = {"block": ("speculative_block_size", "speculative_lattice_topk"),
+              "tree": ("speculative_num_steps", "speculative_eagle_topk"),
+              "features": ("speculative_draft_attention_window",),
+              "samples": ("speculative_greedy_draft",),
+              "draft_model": ("speculative_draft_model_path", "speculative_draft_dtype")}
+#: fields that only some algorithms use (every other speculative_* field applies to all of them)
+ALGORITHM_FLAGS = frozenset({n for names in _CAP_FLAGS.values() for n in names} | {
+    "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_synthetic_accept_rate"})
+TREE_STEPS, TREE_NODES = 4, 8  # EAGLE-2 tree defaults: depth, nodes besides the root
+#: what AUTO resolves to when a drafter ships for the target (spec/resolve.py); its flags apply to AUTO
+AUTO_ALGORITHM = "DSPARK"
+
+Factory = Callable[["DrafterContext"], Drafter]
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    name: str
+    factory: Factory
+    caps: Capabilities
+    aliases: tuple[str, ...] = ()
+
+
+_REGISTRY: dict[str, DrafterEntry] = {}
+#: modules whose import registers drafters (a new drafter module is added here)
+_MODULES = ("ngram", "standalone", "synthetic", "artifact")
+
+
+def register_drafter(name: str, caps: Capabilities | None = None,
+                     aliases: tuple[str, ...] = ()) -> Callable[[Factory], Factory]:
+    def deco(factory: Factory) -> Factory:
+        _REGISTRY[name] = DrafterEntry(name, factory, caps or Capabilities(), aliases)
         return factory
 
     return deco
 
 
-def create_drafter(name: str, engine: "Engine") -> Drafter:
-    from . import artifact, ngram, standalone, synthetic  # noqa: F401  (registration side effect)
+def registry() -> dict[str, DrafterEntry]:
+    for m in _MODULES:
+        importlib.import_module(f"{__package__}.{m}")
+    return _REGISTRY
 
-    if name not in _REGISTRY:
+
+def canonical_algorithm(name: str) -> str:
+    """NAME or an alias (case-insensitive) → the registered name; AUTO stays AUTO."""
+    up = name.upper()
+    if up == "AUTO":
+        return up
+    for e in registry().values():
+        if up == e.name or up in e.aliases:
+            return e.name
+    raise ValueError(f"--speculative-algorithm: unknown {name!r}; choose one of {', '.join(registry())}")
+
+
+def capabilities(algorithm: str) -> Capabilities:
+    return registry()[AUTO_ALGORITHM if algorithm == "AUTO" else algorithm].caps
+
+
+def default_window(algorithm: str) -> str:
+    """The verify-window policy of an algorithm when --speculative-window is not given. AUTO: cost
+    (NOTE: with the fixed window DSpark's full block costs more than it returns on CPU, 0.46-0.66x
+    plain at batch 1-32; the cost policy measured 1.00-1.05x at every batch size)."""
+    return "cost" if algorithm == "AUTO" else capabilities(algorithm).default_window
+
+
+def create_drafter(name: str, ctx: "DrafterContext") -> Drafter:
+    if name not in registry():
         raise ValueError(f"--speculative-algorithm: no drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](engine)
+    return _REGISTRY[name].factory(ctx)
+
+
+def validate_flags(c: "EngineConfig") -> None:
+    """Refuse, naming the flag, every option the chosen algorithm would silently ignore."""
+    def flag(name: str) -> str:
+        return name.replace("_", "-")
+
+    algo, caps = c.speculative_algorithm, capabilities(c.speculative_algorithm)
+    for name in sorted(ALGORITHM_FLAGS - caps.flags()):
+        if getattr(c, name) is not None:
+            raise ValueError(f"--{flag(name)} does not apply to --speculative-algorithm {algo}")
+    if caps.needs_draft_model_path and not c.speculative_draft_model_path:
+        raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
+    window = c.speculative_window or default_window(algo)
+    if c.speculative_confidence_threshold is not None and window != "confidence":
+        raise ValueError(f"--speculative-confidence-threshold applies to --speculative-window confidence, not {window}")
+    deterministic = (not caps.samples or c.value("speculative_greedy_draft") or c.value("speculative_lattice_topk"))
+    if c.speculative_accept == "block" and deterministic:
+        why = ("--speculative-lattice-topk drafts" if c.value("speculative_lattice_topk") else
+               "--speculative-greedy-draft drafts" if c.value("speculative_greedy_draft") else f"{algo} drafts")
+        raise ValueError(f"--speculative-accept block needs draft distributions q, but {why} are deterministic "
+                         "(verified one-hot); use auto or onehot")
+    k, b = c.speculative_num_draft_tokens, c.speculative_block_size
+    if k is not None and b is not None and k > b - 1:
+        raise ValueError(f"--speculative-num-draft-tokens {k} exceeds the block: a block of {b} drafts at most {b - 1}")
+    topk = c.value("speculative_eagle_topk")
+    if topk == 1 and c.speculative_num_steps is not None and k is not None:
+        raise ValueError("--speculative-num-steps is the chain length, which --speculative-num-draft-tokens already "
+                         "sets (give one of them)")
+    if topk > 1:
+        if c.speculative_accept == "block":
+            raise ValueError("--speculative-accept block verifies chains; trees (--speculative-eagle-topk > 1) "
+                             "use their own lossless walk: use auto")
+        d = c.speculative_num_steps or TREE_STEPS
+        if k is not None and not 1 <= k <= topk + (d - 1) * topk * topk:
+            raise ValueError(f"--speculative-num-draft-tokens must be in [1, {topk + (d - 1) * topk * topk}] for a "
+                             f"tree of depth {d} and topk {topk}, got {k}")

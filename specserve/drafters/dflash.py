@@ -7,7 +7,7 @@ The embedding and LM head are the target's (frozen, restricted to the draft voca
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -17,11 +17,9 @@ from ..core import Proposal, Request
 from ..models.forward_batch import build_forward_batch
 from ..models.llama import LlamaModel
 from .lattice import best_paths
+from .context import DrafterContext
 from .learned import LearnedDrafter
 from .nets import DraftLayer, DraftNet, DrafterConfig, dense_head, paged
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -82,14 +80,12 @@ class BlockDrafter(LearnedDrafter):
     net: DFlashNet
     drafts_whole_window = True
 
-    def __init__(self, engine: "Engine", net: DraftNet, label: str) -> None:
-        super().__init__(engine, net, label)
-        #: --speculative-lattice-topk: > 0 drafts the best path of the block's top-k lattice (deterministic)
-        self.lattice_topk: int = engine.config.speculative_lattice_topk
+    def __init__(self, ctx: DrafterContext, net: DraftNet, label: str) -> None:
+        super().__init__(ctx, net, label)
+        #: --speculative-lattice-topk: > 0 drafts the best path of the block's top-k lattice (deterministic;
+        #: config validation refuses it with --speculative-accept block)
+        self.lattice_topk: int = ctx.config.value("speculative_lattice_topk")
         if self.lattice_topk:
-            if engine.config.speculative_accept == "block":
-                raise ValueError("--speculative-accept block needs draft distributions q, but --speculative-lattice-topk "
-                                 "drafts are deterministic (verified one-hot); use auto/onehot, or lattice topk 0")
             self.supplies_q = False
 
     def _write_context(self, reqs: list[Request]) -> None:

@@ -8,21 +8,19 @@ Draft vocabulary: the draft_vocab_size most frequent response tokens; d2t maps t
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ..core import Proposal, Request
 from ..cache.kv_pool import OutOfPages
-from ..config import TREE_NODES, TREE_STEPS
 from ..models.forward_batch import build_forward_batch
+from .base import TREE_NODES, TREE_STEPS
+from .context import DrafterContext
 from .learned import FeatState, LearnedDrafter
 from .nets import DraftLayer, DraftNet, DrafterConfig, paged
 from .tree import draft_tree
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -77,10 +75,10 @@ class ChainDrafter(LearnedDrafter):
     feature_offset = 1
     net: ChainNet
 
-    def __init__(self, engine: "Engine", net: DraftNet, label: str) -> None:
-        super().__init__(engine, net, label)
-        c = engine.config
-        self.topk = c.speculative_eagle_topk
+    def __init__(self, ctx: DrafterContext, net: DraftNet, label: str) -> None:
+        super().__init__(ctx, net, label)
+        c = ctx.config
+        self.topk = c.value("speculative_eagle_topk")
         self.steps = c.speculative_num_steps or (TREE_STEPS if self.topk > 1 else 0)
         if self.topk > 1:
             self.default_num_draft_tokens, self.drafts_whole_window = TREE_NODES, True

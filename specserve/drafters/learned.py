@@ -7,27 +7,22 @@ Feature bookkeeping per request (NOTE: the invariant every learned drafter keeps
 The target hands over features only for committed positions, so nothing built from a rejected
 draft survives a step: rows the drafter writes for its own drafts sit beyond `done` and are
 overwritten by the next step's rows.
-With --speculative-draft-window-size W a draft round reads only the last W committed positions
+With --speculative-draft-attention-window W a draft round reads only the last W committed positions
 (the catch-up rows: a sliding window of W), and pages behind the window are freed.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..cache.kv_pool import KVPool
 from ..core import Request
 from ..engine.sampling import sample, target_logits
-from ..spec.window import draft_floor
 from .base import Drafter
+from .context import DrafterContext
 from .nets import DraftNet
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
 
 
 @dataclass
@@ -53,19 +48,18 @@ class LearnedDrafter(Drafter):
     #: x_t with the feature of t − 1, seeded with a zero feature), block context does not.
     feature_offset = 0
 
-    def __init__(self, engine: "Engine", net: DraftNet, label: str) -> None:
+    def __init__(self, ctx: DrafterContext, net: DraftNet, label: str) -> None:
         self.net, self.label = net.eval(), label
         self.aux_layers: tuple[int, ...] = net.cfg.aux_layer_ids
         self.dtype = next(net.parameters()).dtype
-        pages = engine.reserve_draft_kv(net.mcfg, self.dtype)
-        self.kv = KVPool(net.mcfg, pages, engine.config.page_size, self.dtype)
+        self.kv: KVPool = ctx.kv_budget.draft_pool(net.mcfg, self.dtype)
         self.max_pos = net.cfg.max_position_embeddings
-        self.window = engine.config.speculative_draft_window_size  # None = attend to the whole context
-        # stop drafting a request once its cumulative confidence is below what its window policy keeps
-        self.stop_below = draft_floor(engine.config.speculative_window, engine.config.speculative_confidence_threshold)
-        self.greedy_draft = os.environ.get("SPECSERVE_GREEDY_DRAFT", "0") == "1"
+        self.window = ctx.config.speculative_draft_attention_window  # None = attend to the whole context
+        # stop drafting a request once its cumulative confidence is below what the window policy keeps
+        self.stop_below = ctx.floor
+        self.greedy_draft = ctx.greedy_draft
         self.supplies_q = not self.greedy_draft
-        self.vocab = engine.model.cfg.vocab_size
+        self.vocab = ctx.target_cfg.vocab_size
         self.state: dict[str, FeatState] = {}
         self.path: Path | None = None  # the artifact it was loaded from
 

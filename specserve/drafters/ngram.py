@@ -3,13 +3,9 @@ tokens) that occurred earlier, and propose the tokens that followed its most rec
 No model, no state: the context is re-read each step, so commit is trivially consistent."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..core import Proposal, Request
-from .base import Drafter, register_drafter
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
+from .base import Capabilities, Drafter, register_drafter
+from .context import DrafterContext
 
 
 def ngram_lookup(ids: list[int], min_match: int, max_match: int, k: int) -> list[int]:
@@ -38,7 +34,8 @@ class NgramDrafter(Drafter):
         return Proposal(tokens=[ngram_lookup(r.all_ids, self.min_match, self.max_match, w) for r, w in zip(reqs, window)])
 
 
-@register_drafter("NGRAM")
-def _make(engine: "Engine") -> Drafter:
-    c = engine.config
-    return NgramDrafter(c.speculative_ngram_min_match, c.speculative_ngram_max_match)
+@register_drafter("NGRAM", Capabilities(extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match")),
+                  aliases=("PROMPT_LOOKUP",))
+def _make(ctx: DrafterContext) -> Drafter:
+    c = ctx.config
+    return NgramDrafter(c.value("speculative_ngram_min_match"), c.value("speculative_ngram_max_match"))

@@ -7,7 +7,6 @@ then feeds its own drafts one by one. Commit truncates `done` to what the target
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,10 +16,10 @@ from ..cache.kv_pool import KVPool, OutOfPages
 from ..core import Proposal, Request
 from ..engine.runner import ModelRunner
 from ..engine.sampling import sample, target_logits
-from .base import Drafter, register_drafter
+from .base import Capabilities, Drafter, register_drafter
+from .context import DrafterContext
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
     from ..models.llama import LlamaModel
 
 
@@ -35,10 +34,10 @@ class _DraftState:
 class StandaloneDrafter(Drafter):
     label = "STANDALONE"
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, greedy_draft: bool = False) -> None:
         self.runner = runner
         self.kv: KVPool = runner.kv
-        self.greedy_draft = os.environ.get("SPECSERVE_GREEDY_DRAFT", "0") == "1"
+        self.greedy_draft = greedy_draft
         self.state: dict[str, _DraftState] = {}
         self.supplies_q = not self.greedy_draft
 
@@ -121,18 +120,18 @@ class StandaloneDrafter(Drafter):
             self.kv.release(st.page_table)
 
 
-def build_draft_runner(engine: "Engine", model: "LlamaModel") -> ModelRunner:
-    """A runner with the draft's own KV pool, sized from the draft geometry out of the engine budget."""
-    pages = engine.reserve_draft_kv(model.cfg, model.dtype)
-    return ModelRunner(model, KVPool(model.cfg, pages, engine.config.page_size, model.dtype))
+def build_draft_runner(ctx: DrafterContext, model: "LlamaModel") -> ModelRunner:
+    """A runner with the draft's own KV pool, sized from the draft geometry out of the KV budget."""
+    return ModelRunner(model, ctx.kv_budget.draft_pool(model.cfg, model.dtype))
 
 
-@register_drafter("STANDALONE")
-def _make(engine: "Engine") -> Drafter:
+@register_drafter("STANDALONE", Capabilities(samples=True, draft_model=True, needs_draft_model_path=True),
+                  aliases=("DRAFT_MODEL",))
+def _make(ctx: DrafterContext) -> Drafter:
     from ..models import build_model
 
-    c = engine.config
-    dtype = engine.dtype if c.speculative_draft_dtype is None else engine.resolve_dtype(c.speculative_draft_dtype, c.quantization)
+    c = ctx.config
+    dtype = ctx.draft_dtype(ctx.target.dtype)
     model, tok = build_model(c.speculative_draft_model_path, dtype, c.quantization if dtype == torch.bfloat16 else None)
-    engine.check_same_vocab(tok, model.cfg)
-    return StandaloneDrafter(build_draft_runner(engine, model))
+    ctx.check_same_vocab(tok, model.cfg)
+    return StandaloneDrafter(build_draft_runner(ctx, model), ctx.greedy_draft)

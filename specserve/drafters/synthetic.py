@@ -6,16 +6,12 @@ verification at a controlled acceptance, never a real drafter. Every output it t
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..core import Request
-from .base import Drafter, register_drafter
+from .base import Capabilities, Drafter, register_drafter
+from .context import DrafterContext
 from .standalone import StandaloneDrafter, build_draft_runner
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
 
 
 class SyntheticDrafter(StandaloneDrafter):
@@ -50,7 +46,7 @@ class SyntheticDrafter(StandaloneDrafter):
         return tok, None
 
 
-@register_drafter("SYNTHETIC")
-def _make(engine: "Engine") -> Drafter:
-    c = engine.config
-    return SyntheticDrafter(build_draft_runner(engine, engine.model), c.speculative_synthetic_accept_rate, c.seed)
+@register_drafter("SYNTHETIC", Capabilities(extra_flags=("speculative_synthetic_accept_rate",)))
+def _make(ctx: DrafterContext) -> Drafter:
+    c = ctx.config
+    return SyntheticDrafter(build_draft_runner(ctx, ctx.target), c.value("speculative_synthetic_accept_rate"), c.seed)

@@ -11,7 +11,7 @@ puts the (earlier-generated) parent first on ties, so the selection is a connect
 best-first order is topological: any prefix of it is a tree too (window policies cut prefixes).
 Draft K/V of beam nodes sit past the anchor (depth d at slots seq_len + (d−1)·k ..), beyond
 `done`: the next round's rows overwrite them. Children are the draft's top-k, so they are
-deterministic and verified by the tree walk (spec/accept.py `walk_tree`), lossless at any temperature.
+deterministic and verified by the tree walk (spec/rules.py `walk_tree`), lossless at any temperature.
 """
 from __future__ import annotations
 

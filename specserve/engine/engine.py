@@ -1,17 +1,19 @@
-"""The engine: owns the target, its KV pool, the scheduler and the drafter, and runs the step.
+"""The engine: owns the target, its KV pool, the scheduler, the drafter and the window policy,
+and runs the step.
 
     step():
-        batch = scheduler.schedule()                       # admit, chunk prefills, pick decodes
-        prefill(batch.prefills)                            # target forward; drafter builds its state
-        proposal = drafter.propose(decodes, window)        # DRAFT
-        logits = verify(runner, decodes, proposal)         # VERIFY: one target forward
-        results = [accept_request(...)]                    # ACCEPT: a rule per request
-        commit(...); emit(...)                             # COMMIT caches; scan stops token by token
-Plain decoding is the same step with an empty proposal (window 0).
+        batch = scheduler.schedule()               # admit, chunk prefills, pick decodes
+        prefill(batch.prefills)                    # target forward; drafter builds its state
+        decode(batch.decodes):
+            draft   policy.plan → drafter.propose → policy.cut     (spec/policy.py, drafters/)
+            verify  one target forward over every window           (spec/verify.py)
+            accept  a lossless rule per request                    (spec/accept.py, spec/rules.py)
+            commit  keep path, advance KV, emit, draft state       (spec/commit.py)
+Plain decoding is the same step with an empty proposal (window 0). An exception fails only the
+requests it concerns: batched calls are retried one request at a time (engine/isolate.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import random
@@ -21,50 +23,42 @@ import torch
 
 from ..cache.kv_pool import KVPool, parse_memory
 from ..config import EngineConfig
-from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status, count_per_pos
+from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status
 from ..drafters.base import Drafter, create_drafter
-from ..models import LlamaModel, build_model
+from ..drafters.context import DrafterContext, KVBudget
+from ..models import LlamaModel, build_model, resolve_dtype
 from ..models.config import ModelConfig
-from ..spec.rules import accept_request
-from ..spec.tree import compact_path
-from ..spec.verify import verify, verify_mode
-from ..spec.window import CostModel, DraftGate, StepOverhead, accept_curves, confidence_windows, cost_windows
+from ..spec.accept import accept_request
+from ..spec.commit import AdvanceKV, CommitStage, Committed, DraftState, Emit, KeepPath
+from ..spec.policy import StepStats, make_policy
+from ..spec.resolve import resolve_config
+from ..spec.verify import verify
+from .isolate import isolate
 from .output import Emitter
 from .runner import ModelRunner, split_features
 from .scheduler import Scheduler
 
 log = logging.getLogger("specserve")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 class Engine:
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer=None) -> None:  # noqa: ANN001
-        self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if model is None:
-            dtype = self.resolve_dtype(config.dtype, config.quantization)
-            model, tokenizer = build_model(config.model, dtype, config.quantization)
+            model, tokenizer = build_model(config.model, resolve_dtype(config.dtype, config.quantization),
+                                           config.quantization)
         self.model, self.tokenizer, self.dtype = model, tokenizer, model.dtype
         mcfg: ModelConfig = model.cfg
+        self.config = config = resolve_config(config, mcfg)  # AUTO and the default window made concrete
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        self._kv_budget = parse_memory(config.kv_cache_memory)
+        budget = KVBudget(parse_memory(config.kv_cache_memory), mcfg, self.dtype, config.page_size)
+        self.policy = make_policy(config.speculative_window if config.speculative_algorithm else "fixed", config)
         self.drafter: Drafter | None = None
-        if config.speculative_algorithm == "AUTO":  # the drafter shipped for this target, if there is one
-            from ..drafters.artifact import shipped_drafter
-
-            algo = "DSPARK" if shipped_drafter(mcfg, "dspark") is not None else None
-            # NOTE: with the default fixed window the full block costs more than it returns on CPU
-            # (0.46-0.66x plain at batch 1-32); the cost policy measured 1.00-1.05x at every batch size
-            window = "cost" if algo and config.speculative_window == "fixed" else config.speculative_window
-            self.config = config = dataclasses.replace(config, speculative_algorithm=algo, speculative_window=window)
-        if config.speculative_algorithm:
-            self.drafter = create_drafter(config.speculative_algorithm, self)
-            if config.speculative_accept == "block" and not self.drafter.supplies_q:
-                raise ValueError(
-                    f"--speculative-accept block needs draft distributions q, but {config.speculative_algorithm} "
-                    "drafts are deterministic (one-hot); use auto/onehot, or a model drafter without SPECSERVE_GREEDY_DRAFT=1")
-        pages = KVPool.pages_for_budget(mcfg, self._kv_budget, config.page_size, self.dtype)
+        if config.speculative_algorithm:  # NOTE: the drafter reserves its pool before the target's is sized
+            ctx = DrafterContext(config, model, tokenizer, budget, self.policy.floor)
+            self.drafter = create_drafter(config.speculative_algorithm, ctx)
+        pages = KVPool.pages_for_budget(mcfg, budget.remaining, config.page_size, self.dtype)
         if pages < 1:
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory!r} is too small for one KV page of this model")
         self.kv = KVPool(mcfg, pages, config.page_size, self.dtype)
@@ -80,53 +74,15 @@ class Engine:
         # instead of letting it wait forever for pages that can never be freed.
         self.emitter = Emitter(tokenizer, self.eos_ids, min(self.max_model_len, self.kv.num_slots))
         self.stats = SpecStats()
-        self.verify_mode = verify_mode()
-        self.cost_model: CostModel | None = None
-        self.draft_cost_model: CostModel | None = None
-        self.step_overhead = StepOverhead()
-        self.draft_gate = DraftGate()
-        if self.drafter and config.speculative_window == "cost":
-            self.cost_model = CostModel.cached(self.runner, self._cost_key(mcfg, self.dtype))
-            draft_runner = getattr(self.drafter, "runner", None)  # model drafters draft position by position
-            if draft_runner is not None:
-                dm = draft_runner.model
-                self.draft_cost_model = CostModel.cached(draft_runner, "draft-" + self._cost_key(dm.cfg, dm.dtype))
+        self.verify_mode = config.speculative_verify_packing
+        steps = [KeepPath(self.kv), AdvanceKV(), Emit(self.emitter, self.stats, self._finish)]
+        self.commit_stage = CommitStage(steps + ([DraftState(self.drafter)] if self.drafter else []), self._fail)
+        if self.drafter:
+            self.policy.bind(self.runner, self.drafter)
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
-
-    # ---- setup helpers used by drafters ----
-    @staticmethod
-    def resolve_dtype(name: str, quantization: str | None = None) -> torch.dtype:
-        if name == "auto":
-            return torch.bfloat16 if quantization == "int4" else torch.float32
-        return _DTYPES[name]
-
-    def _cost_key(self, cfg: ModelConfig, dtype: torch.dtype) -> str:
-        return "".join(c if c.isalnum() else "_" for c in f"{cfg.name}-{dtype}-{self.config.quantization}")
-
-    def reserve_draft_kv(self, draft_cfg: ModelConfig, dtype: torch.dtype) -> int:
-        """Split the KV budget so both pools hold the same number of tokens; returns draft pages.
-        NOTE: runs before the target pool is sized, so the target only gets what is left."""
-        t = self.model.cfg.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
-        d = draft_cfg.kv_bytes_per_token * torch.finfo(dtype).bits // 8
-        draft_bytes = self._kv_budget * d // (t + d)
-        self._kv_budget -= draft_bytes
-        return max(1, KVPool.pages_for_budget(draft_cfg, draft_bytes, self.config.page_size, dtype))
-
-    def check_same_vocab(self, draft_tok, draft_cfg: ModelConfig) -> None:  # noqa: ANN001
-        t_tok, t_cfg = self.tokenizer, self.model.cfg
-        if draft_cfg.vocab_size != t_cfg.vocab_size:
-            raise ValueError(f"draft model vocabulary differs: target logits have {t_cfg.vocab_size} entries, "
-                             f"draft {draft_cfg.vocab_size}; STANDALONE needs the same tokenizer")
-        if t_tok is not None and draft_tok is not None:
-            n = min(t_tok.vocab_size, draft_tok.vocab_size)
-            for i in range(n):
-                if t_tok.id_to_piece(i) != draft_tok.id_to_piece(i):
-                    raise ValueError(f"draft tokenizer differs from the target's at id {i}: "
-                                     f"{t_tok.id_to_piece(i)!r} vs {draft_tok.id_to_piece(i)!r}")
-            if t_tok.vocab_size != draft_tok.vocab_size:
-                raise ValueError(f"draft tokenizer has {draft_tok.vocab_size} tokens, target {t_tok.vocab_size}")
+        self._failed: list[Request] = []  # failed during the current step
 
     # ---- requests ----
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
@@ -166,118 +122,110 @@ class Engine:
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced tokens or finished in it."""
         batch = self.scheduler.schedule()
+        self._failed = []
         touched: list[Request] = []
         if batch.prefills:
             touched += self._prefill(batch.prefills)
         if batch.decodes:
-            touched += self._decode(batch.decodes)
-        return touched
+            touched += self._decode([r for r in batch.decodes if not r.finished])
+        return touched + [r for r in self._failed if r not in touched]
 
     def _prefill(self, chunks: list[tuple[Request, int]]) -> list[Request]:
-        starts = [r.committed_len for r, _ in chunks]
-        sample_first = [r.committed_len + n == r.prefill_target and not r.output_ids for r, n in chunks]
-        aux = self.aux_layers
-        logits, captured = self.runner.forward(
-            [r.page_table for r, _ in chunks], starts, [r.all_ids[s : s + n] for (r, n), s in zip(chunks, starts)],
-            [[n - 1] if f else [] for (_, n), f in zip(chunks, sample_first)], tuple(sorted(aux)))
-        for r, n in chunks:
+        aux = tuple(sorted(self.aux_layers))
+
+        def forward(cs: list[tuple[Request, int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+            starts = [r.committed_len for r, _ in cs]
+            first = [r.committed_len + n == r.prefill_target and not r.output_ids for r, n in cs]
+            logits, captured = self.runner.forward(
+                [r.page_table for r, _ in cs], starts, [r.all_ids[s : s + n] for (r, n), s in zip(cs, starts)],
+                [[n - 1] if f else [] for (_, n), f in zip(cs, first)], aux)
+            feats = split_features(captured, self.aux_layers, [n for _, n in cs]) if aux else [None] * len(cs)
+            return [(row if f else None, x) for row, f, x in zip(logits, first, feats)]
+
+        done = isolate(forward, chunks, lambda c, e: self._fail_exc(c[0], "prefill", e))
+        starts = [r.committed_len for (r, _), _ in done]
+        for (r, n), _ in done:
             r.committed_len += n
         if self.drafter:
-            feats = split_features(captured, aux, [n for _, n in chunks]) if aux else None
-            self.drafter.prefill([(r, s, n) for (r, n), s in zip(chunks, starts)], feats)
-        out = []
-        for (r, _), f, row in zip(chunks, sample_first, logits):
-            if f:  # first token: the same accept path with an empty draft
-                self._apply(r, accept_request(r, row, [], None, self.config.speculative_accept), row, 0)
-                out.append(r)
-        return out
-
-    def _window(self, r: Request) -> int:
-        room = len(r.page_table) * self.kv.page_size - r.seq_len  # pages the scheduler reserved
-        left = min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.seq_len) - 1
-        return max(0, min(self.num_draft_tokens, room, left))
-
-    def _draft(self, reqs: list[Request]) -> tuple[Proposal, list[int], float, int]:
-        """DRAFT under the window policy: (proposal, windows, the cost curves' predicted step time,
-        requests that drafted). Block drafters draft their whole block in one forward and trees cost
-        their depth, so for them `confidence` and `cost` cut windows after drafting, from the per-token
-        confidence; `cost` first plans from acceptance so far (charging what a drafting request
-        costs), and only requests whose plan is > 0 draft at all."""
-        window = [self._window(r) for r in reqs]
-        policy, predicted = self.config.speculative_window, 0.0
-        after = self.drafter is not None and (
-            policy == "confidence" or (policy == "cost" and self.drafter.drafts_whole_window))
-        if self.cost_model is not None:
-            if not self.draft_gate.allow(len(reqs)):
-                window = [0] * len(reqs)
-            plan, predicted = cost_windows(reqs, window, self.cost_model, self.draft_cost_model,
-                                           self.step_overhead.per_request)
-            window = [w if k else 0 for w, k in zip(window, plan)] if after else plan
-        proposal = self.drafter.propose(reqs, window) if self.drafter and any(window) else Proposal.empty(len(reqs))
-        drafted = sum(1 for d in proposal.tokens if d)
-        if after:
-            curves = accept_curves(reqs, proposal.confidence, [min(len(d), w) for d, w in zip(proposal.tokens, window)],
-                                   proposal.parents)
-            if policy == "confidence":
-                window = confidence_windows(curves, self.config.speculative_confidence_threshold)
-            else:
-                window, predicted = cost_windows(reqs, [len(c) for c in curves], self.cost_model, None,
-                                                 self.step_overhead.per_request, curves)
-        return proposal, window, predicted, drafted
+            items = [((r, s, n), x) for ((r, n), (_, x)), s in zip(done, starts)]
+            isolate(lambda it: self.drafter.prefill([c for c, _ in it], [x for _, x in it] if aux else None)
+                    or [None] * len(it), items, lambda it, e: self._fail_exc(it[0][0], "drafter prefill", e))
+        firsts = [(r, row) for (r, _), (row, _) in done if row is not None and not r.finished]
+        accepted = self._accept([r for r, _ in firsts], Proposal.empty(len(firsts)), [row for _, row in firsts],
+                                verified=False)  # the first token: the same accept and commit, no draft
+        return [c.req for c in self.commit_stage.run(accepted)]
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
         t0 = time.perf_counter()
-        proposal, window, predicted, drafted = self._draft(reqs)
-        drafts = [d[:w] for d, w in zip(proposal.tokens, window)]
-        # a prefix of a tree proposal is a tree (nodes are in topological order)
-        parents = [p[:w] if p is not None else None for p, w in zip(proposal.parents or [None] * len(reqs), window)]
-        for r, d in zip(reqs, drafts):
-            r.spec_decode_steps += 1
-            self.stats.record_window(len(d))
-        qs = proposal.q or [None] * len(reqs)
-        logits, feats = verify(self.runner, reqs, Proposal(tokens=drafts, parents=parents if proposal.parents else None),
-                               self.verify_mode, self.aux_layers)
-        accepted = []
-        for b, (r, raw, d, q, par) in enumerate(zip(reqs, logits, drafts, qs, parents)):
-            res = accept_request(r, raw, d, None if q is None else q[: len(d)], self.config.speculative_accept, par)
-            if res.path is not None:  # tree: keep the accepted path's rows, in path order
-                compact_path(self.kv, r.page_table, r.committed_len, res.path)
-                rows = torch.tensor([0] + [v + 1 for v in res.path])
-                raw = raw[rows]
-                if feats is not None:
-                    feats[b] = feats[b][rows]
-            if res.error is None:
-                r.committed_len += res.num_accepted + 1  # COMMIT: KV of last + accepted drafts is final
-            accepted.append(self._apply(r, res, raw, len(d)))
-        if self.drafter:
-            self.drafter.commit(reqs, accepted, feats)
-        if self.cost_model is not None:
-            elapsed = time.perf_counter() - t0
-            self.step_overhead.observe(elapsed, predicted, drafted)
-            self.draft_gate.observe(len(reqs), drafted > 0, elapsed, sum(a + 1 for a in accepted))
+        reqs, proposal, drafted = self._draft(reqs)              # DRAFT under the window policy
+        reqs, proposal, logits, feats = self._verify(reqs, proposal)  # VERIFY: one target forward
+        accepted = self._accept(reqs, proposal, logits, feats)    # ACCEPT: a lossless rule per request
+        committed = self.commit_stage.run(accepted)              # COMMIT: keep, advance, emit, draft state
+        emitted = sum(c.emitted for c in committed)
+        self.policy.observe(StepStats(time.perf_counter() - t0, len(reqs), drafted, emitted))
         return reqs
 
-    def _apply(self, r: Request, res: AcceptResult, raw: torch.Tensor, num_draft: int) -> int:
-        """Emit res.tokens through the token-by-token stop scan; count only what was emitted."""
-        if res.error is not None:
-            r.error = res.error
-            self._finish(r, "error")
-            return 0
-        now = time.perf_counter()
-        if r.first_token_time is None:
-            r.first_token_time = now
-        emitted, reason = self.emitter.emit(r, res.tokens, raw)
-        n_acc = min(res.num_accepted, emitted)
-        if num_draft:
-            r.spec_verify_ct += 1
-            r.spec_draft_tokens += num_draft
-            r.spec_accepted_tokens += n_acc
-            r.spec_trials += n_acc + (n_acc < num_draft)
-            count_per_pos(r.spec_accepted_per_pos, num_draft, n_acc)
-            self.stats.record(num_draft, n_acc)
-        if reason is not None:
-            self._finish(r, reason)
-        return n_acc
+    def _limit(self, r: Request) -> int:
+        """The most drafts r can verify: the pages the scheduler reserved, max_tokens, the context."""
+        room = len(r.page_table) * self.kv.page_size - r.seq_len
+        left = min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.seq_len) - 1
+        return max(0, min(self.num_draft_tokens, room, left))
+
+    def _draft(self, reqs: list[Request]) -> tuple[list[Request], Proposal, int]:
+        """(requests still running, their proposals cut to the verify windows, requests that drafted)."""
+        windows = self.policy.plan(reqs, [self._limit(r) for r in reqs])
+        proposal = Proposal.empty(len(reqs))
+        if self.drafter is not None and any(windows):
+            done = isolate(lambda it: self.drafter.propose([r for r, _ in it], [w for _, w in it]).split(),
+                           list(zip(reqs, windows)), lambda it, e: self._fail_exc(it[0], "draft", e))
+            reqs, windows = [r for (r, _), _ in done], [w for (_, w), _ in done]
+            proposal = Proposal.join([p for _, p in done]) if done else Proposal.empty(0)
+        drafted = sum(1 for d in proposal.tokens if d)
+        proposal = proposal.truncate(self.policy.cut(reqs, proposal, windows))
+        for r, d in zip(reqs, proposal.tokens):
+            r.spec_decode_steps += 1
+            self.stats.record_window(len(d))
+        return reqs, proposal, drafted
+
+    def _verify(self, reqs: list[Request], proposal: Proposal
+                ) -> tuple[list[Request], Proposal, list[torch.Tensor], list[torch.Tensor | None]]:
+        def run(it: list[tuple[Request, Proposal]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+            logits, feats = verify(self.runner, [r for r, _ in it], Proposal.join([p for _, p in it]),
+                                   self.verify_mode, self.aux_layers)
+            return list(zip(logits, feats or [None] * len(it)))
+
+        done = isolate(run, list(zip(reqs, proposal.split())), lambda it, e: self._fail_exc(it[0], "verify", e))
+        parts = [p for (_, p), _ in done]
+        return ([r for (r, _), _ in done], Proposal.join(parts) if parts else Proposal.empty(0),
+                [x for _, (x, _) in done], [f for _, (_, f) in done])
+
+    def _accept(self, reqs: list[Request], proposal: Proposal, logits: list[torch.Tensor],
+                feats: list[torch.Tensor | None] | None = None, verified: bool = True) -> list[Committed]:
+        """A rule per request (spec/accept.py); NaN/Inf or an exception fails that request alone."""
+        out = []
+        qs, parents = proposal.q or [None] * len(reqs), proposal.parents or [None] * len(reqs)
+        for r, raw, d, q, par, f in zip(reqs, logits, proposal.tokens, qs, parents, feats or [None] * len(reqs)):
+            try:
+                res: AcceptResult = accept_request(r, raw, d, q, self.config.speculative_accept, par)
+            except Exception as e:  # noqa: BLE001
+                self._fail_exc(r, "accept", e)
+                continue
+            if res.error is not None:
+                self._fail(r, res.error)
+                continue
+            out.append(Committed(r, res, raw, f, len(d), verified))
+        return out
+
+    def _fail_exc(self, r: Request, stage: str, e: Exception) -> None:
+        log.warning("request %s failed in %s", r.request_id, stage, exc_info=e)
+        self._fail(r, f"internal error in {stage} for this request: {type(e).__name__}: {e}")
+
+    def _fail(self, r: Request, message: str) -> None:
+        if r.finished:
+            return
+        r.error = message
+        self._finish(r, "error")
+        self._failed.append(r)
 
     def _finish(self, r: Request, reason: str) -> None:
         r.status, r.finish_reason, r.finish_time = Status.FINISHED, reason, time.perf_counter()

@@ -8,6 +8,16 @@ from .llama import LlamaModel
 from .registry import model_class
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def resolve_dtype(name: str, quantization: str | None = None) -> torch.dtype:
+    """--dtype / --speculative-draft-dtype → torch dtype (auto: bf16 under int4, else float32)."""
+    if name == "auto":
+        return torch.bfloat16 if quantization == "int4" else torch.float32
+    return _DTYPES[name]
+
+
 def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None = None
                 ) -> tuple[LlamaModel, "Tokenizer"]:  # noqa: F821
     """Load a checkpoint (HF dir, .gguf, or alias) into our model class; returns (model, tokenizer)."""
@@ -22,4 +32,4 @@ def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None 
     return model, tokenizer
 
 
-__all__ = ["LlamaModel", "ModelConfig", "build_model", "model_class"]
+__all__ = ["LlamaModel", "ModelConfig", "build_model", "model_class", "resolve_dtype"]

@@ -115,7 +115,9 @@ class AsyncEngine:
                 self._publish(touched)
                 self.stats_logger.maybe_log(eng)
             except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
-                log.exception("engine step failed; failing the requests in flight")
+                # NOTE: the step itself fails only the requests an exception concerns (engine/isolate.py);
+                # what reaches here broke the engine outside any request (scheduler, allocator)
+                log.exception("engine step failed outside any request; failing the requests in flight")
                 self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
         self.state = "stopped"
 

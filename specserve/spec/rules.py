@@ -1,73 +1,117 @@
-"""ACCEPT stage for one request: process the target rows, pick the rule, run it.
+"""Lossless acceptance rules, one pure function each (one request's chain per call).
 
-Rule per request: temperature 0 → greedy; a deterministic draft (q absent) → onehot;
-a sampled draft → `sample`, or `block` when --speculative-accept block; a tree draft (parents
-given; its children are deterministic) → the tree walk, greedy or sample-and-match.
+Inputs, for a chain of k drafts x_1..x_k verified by one target forward:
+  p      [k+1, V]  target distributions after all logits processors; row i is the distribution
+                   for the token after x_1..x_i (row k is the bonus position).
+  q      [k, V]    the draft distributions x_i was *sampled* from (sample / block rules only).
+  gen    the request's own torch.Generator (per-request seeds).
+Each returns (n, y): n accepted drafts, then y, the correction (n < k) or bonus (n == k) token.
+The emitted tokens are x_1..x_n, y; acceptance length = n + 1.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from ..core import AcceptResult, Request
-from ..engine.sampling import target_logits
-from .accept import accept_block, accept_greedy, accept_onehot, accept_sample, walk_tree
+from ..engine.sampling import sample
+from .tree import children_of
 
 
-def choose_rule(greedy: bool, has_q: bool, configured: str) -> str:
-    if greedy:
-        return "greedy"
-    if not has_q:
-        return "onehot"
-    return "block" if configured == "block" else ("onehot" if configured == "onehot" else "sample")
+def accept_greedy(logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
+    """Temperature 0: p_i is one-hot at a_i = argmax. Accept while x_i == a_i; emit a_{n+1}.
+    Draws no random numbers."""
+    a = logits.argmax(dim=-1).tolist()
+    n = 0
+    while n < len(draft) and draft[n] == a[n]:
+        n += 1
+    return n, a[n]
 
 
-def _probs(x: torch.Tensor) -> torch.Tensor:
-    # at least fp32 (ALGORITHMS.md §1.1 note 2): a bf16 softmax does not sum to 1, and q.to(bf16)
-    # would round the fp32 q the draft was sampled from — both bias the ratio test
-    return torch.softmax(x.double() if x.dtype == torch.float64 else x.float(), dim=-1)
+def accept_onehot(p: torch.Tensor, draft: list[int], gen: torch.Generator | None) -> tuple[int, int]:
+    """Deterministic drafts (argmax, n-gram): q_i = δ(x_i), so accept with min(1, p_i(x_i)/1) and on
+    rejection sample the residual p_i restricted to y ≠ x_i. Equivalent and simpler ("sample and
+    match"): draw y_i ~ p_i; accept while y_i == x_i; the first mismatch is already a sample of the
+    residual, and with every draft accepted y_{k+1} ~ p_{k+1} is the bonus."""
+    for i in range(len(draft) + 1):
+        y = sample(p[i], gen)
+        if i == len(draft) or y != draft[i]:
+            return i, y
+    raise AssertionError("unreachable")
 
 
-_BAD_P = "sampling distribution is NaN/Inf after penalties and temperature; request failed"
+def _residual_sample(p_row: torch.Tensor, q_row: torch.Tensor, gen: torch.Generator | None) -> int:
+    """y ~ max(p − q, 0) normalised; if p == q (no residual mass) sample p itself."""
+    r = torch.clamp(p_row - q_row, min=0)
+    return sample(r if r.sum() > 0 else p_row, gen)
 
 
-def accept_tree(req: Request, raw: torch.Tensor, draft: list[int], parents: list[int]) -> AcceptResult:
-    """Tree drafts (deterministic top-k children): walk from the root, each visited row processed
-    with the accepted path as its history (penalties see exactly what plain decoding would)."""
-    def dist(row: int, hist: list[int]) -> torch.Tensor:
-        x = target_logits(raw[row : row + 1], req.params, req.prompt_ids, req.output_ids + hist, [])[0]
-        if req.params.greedy:
-            return x
-        p = _probs(x)
-        if not bool(torch.isfinite(p).all()):
-            raise ValueError(_BAD_P)
-        return p
-
-    try:
-        path, y = walk_tree(dist, draft, parents, req.params.greedy, req.generator)
-    except ValueError as e:
-        return AcceptResult(0, [], error=str(e))
-    return AcceptResult(len(path), [draft[v] for v in path] + [y], path=path)
+def accept_sample(p: torch.Tensor, q: torch.Tensor, draft: list[int], gen: torch.Generator | None) -> tuple[int, int]:
+    """Leviathan/Chen: accept x_i with prob min(1, p_i(x_i) / q_i(x_i)); at the first rejection
+    emit y ~ max(p_i − q_i, 0). P(emit x) = min(p, q) + (1 − Σmin(p, q))·r(x) = p(x)."""
+    k = len(draft)
+    for i in range(k):
+        x = draft[i]
+        u = torch.rand((), generator=gen, dtype=torch.float64).item()
+        if u * float(q[i, x]) > float(p[i, x]):  # u > p/q without dividing by a tiny q
+            return i, _residual_sample(p[i], q[i], gen)
+    return k, sample(p[k], gen)
 
 
-def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.Tensor | None, configured: str,
-                   parents: list[int] | None = None) -> AcceptResult:
-    """raw: target logits [k+1, V] from verify. NaN/Inf fails this request only."""
-    if not bool(torch.isfinite(raw).all()):
-        return AcceptResult(0, [], error="target logits contain NaN/Inf for this request; request failed")
-    if parents is not None:
-        return accept_tree(req, raw, draft, parents)
-    x = target_logits(raw, req.params, req.prompt_ids, req.output_ids, draft)
-    rule = choose_rule(req.params.greedy, q is not None, configured)
-    if rule == "greedy":
-        n, y = accept_greedy(x, draft)
-    else:
-        p = _probs(x)
-        if not bool(torch.isfinite(p).all()):
-            return AcceptResult(0, [], error=_BAD_P)
-        if rule == "onehot":
-            n, y = accept_onehot(p, draft, req.generator)
-        elif rule == "sample":
-            n, y = accept_sample(p, q.to(p.dtype), draft, req.generator)
+def accept_block(p: torch.Tensor, q: torch.Tensor, draft: list[int], gen: torch.Generator | None) -> tuple[int, int]:
+    """Block verification (Sun et al., ICLR 2025): judge prefixes by their joint ratio.
+
+    w_0 = 1, w_i = min(w_{i−1} · p_i(x_i)/q_i(x_i), 1)                   running clipped joint ratio
+    Z_{i+1} = Σ_v max(w_i · p_{i+1}(v) − q_{i+1}(v), 0)                   residual mass after i drafts
+    h_k = w_k;  h_i = Z_{i+1} / (Z_{i+1} + 1 − w_i)  (1 ≤ i < k; 1 if the denominator is 0)
+    τ = the LARGEST i with η_i ≤ h_i (η_i ~ U(0,1)), 0 if none — not the first failure.
+    Emit x_1..x_τ then y ~ max(w_τ · p_{τ+1} − q_{τ+1}, 0)/Z_{τ+1} (τ < k) or y ~ p_{k+1} (τ = k).
+    """
+    k = len(draft)
+    if k == 0:
+        return 0, sample(p[0], gen)
+    pd, qd = p.double(), q.double()
+    w = [1.0]
+    for i in range(k):
+        ratio = float(pd[i, draft[i]]) / max(float(qd[i, draft[i]]), 1e-300)
+        w.append(min(w[-1] * ratio, 1.0))
+    resid = [torch.clamp(w[i] * pd[i] - qd[i], min=0) for i in range(k)]  # resid[i]: after i drafts
+    eta = torch.rand(k, generator=gen, dtype=torch.float64).tolist()
+    tau = 0
+    for i in range(1, k + 1):
+        if i == k:
+            h = w[k]
         else:
-            n, y = accept_block(p, q.to(p.dtype), draft, req.generator)
-    return AcceptResult(n, draft[:n] + [y])
+            z = float(resid[i].sum())
+            den = z + 1.0 - w[i]
+            h = z / den if den > 0 else 1.0
+        if eta[i - 1] <= h:
+            tau = i
+    if tau == k:
+        return k, sample(p[k], gen)
+    r = resid[tau]
+    return tau, sample(r if r.sum() > 0 else pd[tau], gen)
+
+
+def walk_tree(dist: Callable[[int, list[int]], torch.Tensor], tokens: list[int], parents: list[int], greedy: bool,
+              gen: torch.Generator | None) -> tuple[list[int], int]:
+    """Tree acceptance for deterministic children (ALGORITHMS.md §3.4 and §3.5 A), one request.
+
+    dist(row, path_tokens): the processed target row at verify row `row` (0 = root, node i = i + 1)
+    given the accepted path so far — logits at T = 0, probabilities otherwise. From the root: draw
+    y ~ P_v (argmax at T = 0); if a child of v carries y, move there and repeat, else emit y and stop.
+    Each emitted token is an exact draw from the target given the tokens before it, whatever the
+    tree holds: P(move to child c) = P_v(token c), and the emitted y is P_v restricted to non-children
+    renormalised times P(no child) = P_v itself. Returns (accepted node path, correction/bonus token).
+    """
+    kids = children_of(parents)
+    v, path, hist = -1, [], []
+    while True:
+        x = dist(v + 1, hist)
+        y = int(x.argmax()) if greedy else sample(x, gen)
+        c = next((c for c in kids.get(v, ()) if tokens[c] == y), None)
+        if c is None:
+            return path, y
+        path.append(c)
+        hist.append(y)
+        v = c

@@ -1,4 +1,5 @@
-"""Token trees (EAGLE-2 drafts): depths, ancestor masks, the tree walk, KV compaction of the path.
+"""Token trees (EAGLE-2 drafts): depths and ancestor masks (the walk is in spec/rules.py, the KV
+compaction of the accepted path in spec/commit.py).
 
 A tree proposal for one request is `tokens[i]`, `parents[i]` for nodes i = 0..m−1 in topological
 order (parents[i] < i; −1 = the root, the request's last token, which is row 0 of the verify
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.kv_pool import KVPool
 
 
 def chain_parents(k: int) -> list[int]:
@@ -40,18 +40,3 @@ def children_of(parents: list[int]) -> dict[int, list[int]]:
     for i, p in enumerate(parents):
         kids.setdefault(p, []).append(i)
     return kids
-
-
-def compact_path(kv: KVPool, page_table: list[int], root_pos: int, path: list[int]) -> None:
-    """Move the K/V of the accepted nodes to consecutive positions after the root.
-    NOTE: node path[j] was written at position root_pos + 1 + path[j] ≥ root_pos + 1 + j (topological
-    order), so sources are gathered before any destination is written."""
-    moves = [(root_pos + 1 + v, root_pos + 1 + j) for j, v in enumerate(path) if v != j]
-    if not moves:
-        return
-    ps = kv.page_size
-    slot = lambda p: page_table[p // ps] * ps + p % ps  # noqa: E731
-    src = torch.tensor([slot(s) for s, _ in moves])
-    dst = torch.tensor([slot(d) for _, d in moves])
-    for cache in kv.k + kv.v:
-        cache.index_copy_(0, dst, cache[src])

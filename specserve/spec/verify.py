@@ -1,6 +1,6 @@
 """VERIFY: one target forward over [last token, d_1..d_k] per request, k ragged across the batch.
 
-SPECSERVE_RAGGED_VERIFY_MODE=compact (default) packs the windows back to back, so the linear
+--speculative-verify-packing compact (default) packs the windows back to back, so the linear
 layers see exactly sum(k_b + 1) tokens; `padded` pads every window to the batch's longest (the
 simple rectangle; the pad tokens' K/V land beyond committed_len and are overwritten later).
 Logits are computed only at the k_b + 1 positions each request needs.
@@ -9,23 +9,11 @@ root's + depth, attention to the cached prefix and to the node's ancestors (spec
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..core import Proposal, Request
 from ..engine.runner import ModelRunner, split_features
 from .tree import ancestor_mask, chain_parents, depths
-
-VERIFY_MODES = ("compact", "padded")
-
-
-def verify_mode() -> str:
-    mode = os.environ.get("SPECSERVE_RAGGED_VERIFY_MODE", "compact")
-    if mode not in VERIFY_MODES:
-        raise ValueError(f"SPECSERVE_RAGGED_VERIFY_MODE={mode!r}; choose one of {', '.join(VERIFY_MODES)}")
-    return mode
-
 
 def verify(runner: ModelRunner, reqs: list[Request], proposal: Proposal, mode: str = "compact",
            capture_layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:

@@ -1,26 +1,19 @@
-"""Window policy: how many draft tokens each request verifies this step.
+"""The `cost` window policy's measurements: the verify cost curve, what it misses, and a guard.
 
-`fixed` (default): every request gets K (bounded by its pages, max_tokens and the context).
-`confidence`: the drafter drafts K, then each request keeps the prefix whose cumulative draft
-confidence Π_{j≤i} c_j (DSpark's confidence head; otherwise the draft probability of each chosen
-token; for drafters with neither, the request's acceptance so far) stays ≥
---speculative-confidence-threshold: windows become ragged across the batch.
-`cost`: choose per-request windows k_b that maximise expected emitted tokens per second of verify,
+CostModel: t(n), seconds of one target forward over n packed tokens, measured densely for
+n = 1..17 (where the windows of small batches fall) and sparser beyond, cached per machine.
+`cost_windows` chooses per-request windows k_b that maximise expected emitted tokens per second,
 
     maximise  Σ_b E_b(k_b) / t(Σ_b (k_b + 1)),    E_b(k) = (1 − α_b^{k+1}) / (1 − α_b)
 
-where α_b is request b's per-position acceptance so far (Beta(1, 1) prior) and t(n) the measured
-time of one target forward over n tokens. Greedy: start every window at 0 and keep adding the
-draft position with the largest marginal gain α_b^{k_b+1} while the ratio improves. A window of 0
-is plain decoding for that request, so the batch is never planned slower than plain decoding.
-Model drafters (STANDALONE, SYNTHETIC) add their own measured forward time per draft position, and
-what the curves miss per drafting request is learned online from measured steps (StepOverhead), and
-a last empirical guard (DraftGate) compares measured seconds per token of steps with and without
-drafting, so a drafter whose gain and cost nearly cancel is switched off where it measures slower.
-Block drafters (DFlash, DSpark) draft their whole block in one forward whatever the window, and
-EAGLE-2 trees cost their depth whatever the node count, so for them the windows are chosen after
-drafting, with the marginal gains taken from the cumulative draft confidence of each position
-(tree: of each node's path) instead of α_b^{k+1}.
+where α_b is request b's per-position acceptance so far (Beta(1, 1) prior). Greedy: start every
+window at 0 and keep adding the draft position with the largest marginal gain α_b^{k_b+1} while the
+ratio improves. A window of 0 is plain decoding for that request, so the batch is never planned
+slower than plain decoding. Model drafters (STANDALONE, SYNTHETIC) add their own measured forward
+time per draft position; what the curves miss per drafting request is learned online from measured
+steps (StepOverhead), and a last empirical guard (DraftGate) compares measured seconds per token of
+steps with and without drafting, so a drafter whose gain and cost nearly cancel is switched off
+where it measures slower.
 """
 from __future__ import annotations
 
@@ -33,7 +26,8 @@ import torch
 
 from ..core import Request
 
-WINDOW_POLICIES = ("fixed", "confidence", "cost")
+#: verify sizes the cost curve is measured at: every n up to 17, then sparser
+COST_SIZES = tuple(range(1, 18)) + (24, 32, 48, 64)
 
 
 @dataclass
@@ -53,7 +47,7 @@ class CostModel:
         return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
 
     @staticmethod
-    def measure(runner, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3, ctx: int = 128) -> "CostModel":  # noqa: ANN001
+    def measure(runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = 3, ctx: int = 128) -> "CostModel":  # noqa: ANN001
         """Time forwards of n new tokens over a `ctx`-token context (the median of `repeats`)."""
         kv = runner.kv
         pts = []
@@ -77,7 +71,8 @@ class CostModel:
     def cached(cls, runner, key: str, cache_dir: Path | None = None) -> "CostModel":  # noqa: ANN001
         """Measured once per model/dtype/threads on this machine and cached as JSON."""
         cache_dir = cache_dir or Path.home() / ".cache" / "specserve" / "cost"
-        path = cache_dir / f"{key}-t{torch.get_num_threads()}.json"
+        # NOTE: "dense" in the name: caches of the old power-of-two curve are not reused
+        path = cache_dir / f"{key}-t{torch.get_num_threads()}-dense.json"
         if path.exists():
             return cls([tuple(p) for p in json.loads(path.read_text())])
         model = cls.measure(runner)
@@ -144,41 +139,6 @@ class DraftGate:
         x = seconds / max(tokens, 1)
         arm[1] = x if arm[0] == 0 else self.decay * arm[1] + (1 - self.decay) * x
         arm[0] += 1
-
-
-def accept_curves(reqs: list[Request], confidence: list[torch.Tensor | None] | None, lengths: list[int],
-                  parents: list[list[int] | None] | None = None) -> list[list[float]]:
-    """Per request, P(draft positions 1..i all accepted) for i = 1..lengths[b]: the cumulative product
-    of the drafter's per-token confidence, or α^i from the request's acceptance so far. For a tree
-    (parents[b]) entry i is P(node i accepted) = the product over its path, which is non-increasing
-    in the tree's best-first order, so cutting a prefix keeps the most likely nodes."""
-    out = []
-    for b, (r, n) in enumerate(zip(reqs, lengths)):
-        c = confidence[b] if confidence is not None else None
-        par = parents[b] if parents is not None else None
-        if c is not None and len(c) >= n and par is not None:
-            v: list[float] = []
-            for i, x in enumerate(c[:n].double().clamp(0.0, 1.0).tolist()):
-                v.append(x * (v[par[i]] if par[i] >= 0 else 1.0))
-            out.append(v)
-        elif c is not None and len(c) >= n:
-            out.append(torch.cumprod(c[:n].double().clamp(0.0, 1.0), 0).tolist())
-        else:
-            a = min(acceptance_estimate(r), 0.999)
-            out.append([a ** (i + 1) for i in range(n)])
-    return out
-
-
-def draft_floor(policy: str, threshold: float) -> float:
-    """Cumulative confidence below which a drafter may stop drafting a request: `confidence` cuts
-    there anyway; `cost` never verifies a position that is < 2% likely to be accepted; `fixed` verifies
-    everything it drafts."""
-    return {"confidence": threshold, "cost": 0.02}.get(policy, 0.0)
-
-
-def confidence_windows(curves: list[list[float]], threshold: float) -> list[int]:
-    """The longest prefix whose cumulative acceptance probability stays ≥ threshold."""
-    return [sum(1 for p in c if p >= threshold) for c in curves]  # curves are non-increasing
 
 
 def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_step: CostModel | None = None,

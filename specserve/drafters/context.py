@@ -1,0 +1,91 @@
+"""What a drafter may know about the engine it drafts for (instead of the engine itself).
+
+DrafterContext: the target (its ModelConfig, and its frozen weights for drafters that share the
+embedding or LM head), the tokenizer check, the resolved config, the KV budget to take the draft
+pool from, and the verify-window policy's `floor`.
+Feature contract: a drafter declares `aux_layers` (target layer ids); the engine then hands it the
+target's hidden states of those layers, [n, len(aux_layers), H] per request, in that order, for
+prefill chunks and for the committed rows of each verify window (never for rejected drafts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.kv_pool import KVPool
+from ..config import EngineConfig
+from ..models import LlamaModel, resolve_dtype
+from ..models.config import ModelConfig
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return cfg.kv_bytes_per_token * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class KVBudget:
+    """The KV memory the target pool and any draft pool share. A drafter reserves its pool first;
+    the target pool gets what is left (`remaining`)."""
+
+    remaining: int  # bytes
+    target: ModelConfig
+    target_dtype: torch.dtype
+    page_size: int
+
+    def reserve(self, draft: ModelConfig, dtype: torch.dtype) -> int:
+        """Split the budget so both pools hold the same number of tokens, each sized from its own
+        geometry and dtype; returns the draft pool's pages (at least 1)."""
+        t, d = kv_bytes_per_token(self.target, self.target_dtype), kv_bytes_per_token(draft, dtype)
+        draft_bytes = self.remaining * d // (t + d)
+        self.remaining -= draft_bytes
+        return max(1, KVPool.pages_for_budget(draft, draft_bytes, self.page_size, dtype))
+
+    def draft_pool(self, draft: ModelConfig, dtype: torch.dtype) -> KVPool:
+        return KVPool(draft, self.reserve(draft, dtype), self.page_size, dtype)
+
+
+@dataclass
+class DrafterContext:
+    config: EngineConfig  # resolved: AUTO and the window policy are concrete
+    target: LlamaModel
+    tokenizer: object | None
+    kv_budget: KVBudget
+    #: cumulative draft confidence below which a drafter may stop drafting a request (the window
+    #: policy would not verify those positions anyway); 0 = draft the whole window
+    floor: float = 0.0
+
+    @property
+    def target_cfg(self) -> ModelConfig:
+        return self.target.cfg
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def greedy_draft(self) -> bool:
+        return bool(self.config.value("speculative_greedy_draft"))
+
+    def draft_dtype(self, default: torch.dtype, quantized: bool = True) -> torch.dtype:
+        """--speculative-draft-dtype, or `default` when it is not given (`auto` follows --quantization
+        only for draft models that are quantized like the target)."""
+        c = self.config
+        if c.speculative_draft_dtype is None:
+            return default
+        return resolve_dtype(c.speculative_draft_dtype, c.quantization if quantized else None)
+
+    def check_same_vocab(self, draft_tok, draft_cfg: ModelConfig) -> None:  # noqa: ANN001
+        """A draft model must share the target's tokenizer: refuse naming the first difference."""
+        t_tok, t_cfg = self.tokenizer, self.target.cfg
+        if draft_cfg.vocab_size != t_cfg.vocab_size:
+            raise ValueError(f"draft model vocabulary differs: target logits have {t_cfg.vocab_size} entries, "
+                             f"draft {draft_cfg.vocab_size}; STANDALONE needs the same tokenizer")
+        if t_tok is not None and draft_tok is not None:
+            n = min(t_tok.vocab_size, draft_tok.vocab_size)
+            for i in range(n):
+                if t_tok.id_to_piece(i) != draft_tok.id_to_piece(i):
+                    raise ValueError(f"draft tokenizer differs from the target's at id {i}: "
+                                     f"{t_tok.id_to_piece(i)!r} vs {draft_tok.id_to_piece(i)!r}")
+            if t_tok.vocab_size != draft_tok.vocab_size:
+                raise ValueError(f"draft tokenizer has {draft_tok.vocab_size} tokens, target {t_tok.vocab_size}")

@@ -1,0 +1,168 @@
+"""Verify-window policies: how many draft tokens each request verifies this step.
+
+One object per engine, called around the drafter without the engine knowing which it is:
+  plan(reqs, limits) → windows      before drafting (limits: what pages, max_tokens, context allow)
+  cut(reqs, proposal, windows)      after drafting: the prefix of each proposal to verify
+  observe(stats)                    after the step (measured time, drafting requests, tokens)
+  floor                             cumulative confidence below which drafting may stop
+`fixed`: every request verifies K (bounded by its limits).
+`confidence`: each request keeps the prefix whose cumulative draft confidence Π_{j≤i} c_j (DSpark's
+confidence head; otherwise the draft probability of each chosen token; for drafters with neither,
+the request's acceptance so far) stays ≥ --speculative-confidence-threshold: windows are ragged.
+`cost`: windows that maximise expected tokens per second of measured verify cost (spec/cost.py).
+Block drafters (DFlash, DSpark) draft their whole block in one forward whatever the window, and
+EAGLE-2 trees cost their depth whatever the node count, so for them `cost` plans only who drafts
+and cuts after drafting, with the marginal gains taken from the cumulative draft confidence of each
+position (tree: of each node's path) instead of α_b^{k+1}.
+A new policy: a subclass here with `@register_policy`, and its name in config.WINDOW_POLICIES.
+"""
+from __future__ import annotations
+
+from abc import ABC
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from ..config import EngineConfig
+from ..core import Proposal, Request
+from .cost import CostModel, DraftGate, StepOverhead, acceptance_estimate, cost_windows
+
+if TYPE_CHECKING:
+    from ..drafters.base import Drafter
+    from ..engine.runner import ModelRunner
+
+
+@dataclass
+class StepStats:
+    """One decode step as the policy sees it afterwards."""
+
+    seconds: float
+    batch: int  # decoding requests
+    drafted: int  # requests that drafted
+    emitted: int  # tokens emitted (accepted drafts + one each)
+
+
+class WindowPolicy(ABC):
+    name: ClassVar[str]
+    floor: float = 0.0
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    def bind(self, runner: "ModelRunner", drafter: "Drafter") -> None:
+        """Called once the target runner and the drafter exist (measure what the policy needs)."""
+
+    def plan(self, reqs: list[Request], limits: list[int]) -> list[int]:
+        return list(limits)
+
+    def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
+        return windows
+
+    def observe(self, stats: StepStats) -> None:
+        """Learn from the step just run."""
+
+
+_POLICIES: dict[str, type[WindowPolicy]] = {}
+
+
+def register_policy(cls: type[WindowPolicy]) -> type[WindowPolicy]:
+    _POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, config: EngineConfig) -> WindowPolicy:
+    return _POLICIES[name](config)
+
+
+@register_policy
+class FixedPolicy(WindowPolicy):
+    name = "fixed"
+
+
+@register_policy
+class ConfidencePolicy(WindowPolicy):
+    name = "confidence"
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.threshold = self.floor = config.value("speculative_confidence_threshold")
+
+    def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
+        return confidence_windows(accept_curves(reqs, proposal, windows), self.threshold)
+
+
+@register_policy
+class CostPolicy(WindowPolicy):
+    """Owns the measured curves (target verify; a model drafter's per-position forward), the learned
+    per-request overhead and the empirical DraftGate."""
+
+    name = "cost"
+    floor = 0.02  # never verify a position that is < 2% likely to be accepted
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.cost_model: CostModel | None = None
+        self.draft_cost_model: CostModel | None = None
+        self.step_overhead = StepOverhead()
+        self.draft_gate = DraftGate()
+        self.whole = False  # the drafter pays for its whole window: plan who drafts, cut after drafting
+        self.predicted = 0.0  # the curves' time for the windows chosen this step
+
+    def _key(self, runner: "ModelRunner") -> str:
+        m = runner.model
+        return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}")
+
+    def bind(self, runner: "ModelRunner", drafter: "Drafter") -> None:
+        self.cost_model = CostModel.cached(runner, self._key(runner))
+        draft_runner = getattr(drafter, "runner", None)  # model drafters draft position by position
+        if draft_runner is not None:
+            self.draft_cost_model = CostModel.cached(draft_runner, "draft-" + self._key(draft_runner))
+        self.whole = drafter.drafts_whole_window
+
+    def plan(self, reqs: list[Request], limits: list[int]) -> list[int]:
+        if not self.draft_gate.allow(len(reqs)):
+            limits = [0] * len(reqs)
+        plan, self.predicted = cost_windows(reqs, limits, self.cost_model, self.draft_cost_model,
+                                            self.step_overhead.per_request)
+        return [w if k else 0 for w, k in zip(limits, plan)] if self.whole else plan
+
+    def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
+        if not self.whole:
+            return windows
+        curves = accept_curves(reqs, proposal, windows)
+        out, self.predicted = cost_windows(reqs, [len(c) for c in curves], self.cost_model, None,
+                                           self.step_overhead.per_request, curves)
+        return out
+
+    def observe(self, stats: StepStats) -> None:
+        self.step_overhead.observe(stats.seconds, self.predicted, stats.drafted)
+        self.draft_gate.observe(stats.batch, stats.drafted > 0, stats.seconds, stats.emitted)
+
+
+def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[list[float]]:
+    """Per request, P(draft positions 1..i all accepted) for i = 1..min(drafted, window): the
+    cumulative product of the drafter's per-token confidence, or α^i from the request's acceptance
+    so far. For a tree entry i is P(node i accepted) = the product over its path, which is
+    non-increasing in the tree's best-first order, so cutting a prefix keeps the most likely nodes."""
+    out = []
+    for b, r in enumerate(reqs):
+        n = min(len(proposal.tokens[b]), windows[b])
+        c = proposal.confidence[b] if proposal.confidence is not None else None
+        par = proposal.parents[b] if proposal.parents is not None else None
+        if c is not None and len(c) >= n and par is not None:
+            v: list[float] = []
+            for i, x in enumerate(c[:n].double().clamp(0.0, 1.0).tolist()):
+                v.append(x * (v[par[i]] if par[i] >= 0 else 1.0))
+            out.append(v)
+        elif c is not None and len(c) >= n:
+            out.append(torch.cumprod(c[:n].double().clamp(0.0, 1.0), 0).tolist())
+        else:
+            a = min(acceptance_estimate(r), 0.999)
+            out.append([a ** (i + 1) for i in range(n)])
+    return out
+
+
+def confidence_windows(curves: list[list[float]], threshold: float) -> list[int]:
+    """The longest prefix whose cumulative acceptance probability stays ≥ threshold."""
+    return [sum(1 for p in c if p >= threshold) for c in curves]  # curves are non-increasing

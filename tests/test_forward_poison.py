@@ -104,3 +104,29 @@ def test_forward_poison_under_learned_drafters(trained: dict, algo: str, opts: d
     _check(llm, plan, clean, reqs, pages, poison.hits if where == "hidden" else None)
     dr = llm.engine.drafter
     assert dr.state == {} and dr.kv.allocator.num_free == dr.kv.allocator.num_pages
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "BUG: a non-finite draft distribution raises out of Engine.step for the whole batch. NaN target "
+    "features reach the drafter without touching the target's own output (here: the last layer's rows "
+    "of a non-final prefill chunk: no logits, no K/V depend on them, but EAGLE-3/DSpark capture that "
+    "layer); the draft logits turn NaN and LearnedDrafter._choose (drafters/learned.py, `sample(q, ...)`) "
+    "calls torch.multinomial on a NaN q, which raises RuntimeError inside propose(), so every in-flight "
+    "request fails. Fix: a request whose draft distribution is not finite drafts nothing this step "
+    "(drafts are optional; verify stays lossless), or the step fails that request alone."))
+@pytest.mark.parametrize("algo", ["eagle3", "dspark"])
+def test_nonfinite_draft_distribution_fails_at_most_its_request(trained: dict, algo: str) -> None:
+    s = SamplingParams(temperature=0.8, seed=1, max_tokens=N_TOK)
+    plan = [(0, [1, 2, 3, 4, 5, 6, 7, 8, 9], s), (0, [5, 9, 11, 5, 9, 11, 5, 9, 11, 5], s), (0, [7] * 10, s)]
+    opts = dict(page_size=4, max_prefill_tokens=4)
+    clean, _ = drive_poisoned(_spec_llm(trained, algo, **opts), plan, VICTIM, 0)
+    llm = _spec_llm(trained, algo, **opts)
+    poison = HiddenPoison(llm.engine, llm.engine.model.cfg.num_layers - 1, NAN)
+    reqs, _ = drive_poisoned(llm, plan, VICTIM, 0, poison)
+    assert poison.hits
+    v = reqs[VICTIM]
+    assert v.error is None or ("NaN" in v.error or "Inf" in v.error)
+    for i, r in enumerate(reqs):
+        if i != VICTIM:
+            assert r.error is None and r.output_ids == clean[i].output_ids
+    assert_no_leak(llm.engine)

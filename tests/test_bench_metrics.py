@@ -68,9 +68,8 @@ def test_bench_verify_runs_both_packings_on_the_same_batch(tmp_path, monkeypatch
     """`bench verify` on a tiny target: both modes time the same ragged batch; token counts add up."""
     from specserve.bench.verify_cost import run
     from specserve.cli import build_parser
-    from tests.tiny import save_tiny_hf_dir, tiny_config, tiny_state_dict
-
     from specserve.engine.llm import LLM
+    from tests.tiny import save_tiny_hf_dir, tiny_config, tiny_state_dict
 
     cfg = tiny_config(layers=2)
     target = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, 0), tmp_path / "t")

@@ -33,10 +33,16 @@ def exact_joint(model, prompt: list[int], length: int, params: SamplingParams) -
     return joint
 
 
+def tv_threshold(tv_ref: float) -> float:
+    """The pass bar of every engine-level distribution test: 1.5× the noise floor plus 0.015.
+    tests/test_dist_power.py: a correction drawn from p instead of the residual lands above it, a 1.2×
+    ratio bias does not (this joint-TV test has little power against small ratio biases)."""
+    return 1.5 * tv_ref + 0.015
+
+
 def tv_distance(counts: dict, exact: dict, n: int) -> float:
     keys = set(counts) | set(exact)
     return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
-
 
 
 def engine_vs_exact_joint(llm, prompt: list[int], length: int, base: SamplingParams, n: int):  # noqa: ANN001, ANN201
@@ -51,3 +57,34 @@ def engine_vs_exact_joint(llm, prompt: list[int], length: int, base: SamplingPar
     for i in torch.multinomial(w, n, replacement=True, generator=torch.Generator().manual_seed(0)).tolist():
         ref_counts[keys[i]] = ref_counts.get(keys[i], 0) + 1
     return tv_distance(counts, exact, n), tv_distance(ref_counts, exact, n), outs
+
+
+# ---- negative controls: deliberately wrong acceptance rules (they must FAIL the test above) ----
+# NOTE: the one place that names the accept stage's module (spec/accept.py): it calls the rules
+# (spec/rules.py) by these names, so patching them there swaps the rule.
+ACCEPT_STAGE = "specserve.spec.accept"
+
+
+def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(p, 1, generator=gen).item())
+
+
+def biased_ratio_rule(factor: float = 1.2):  # noqa: ANN201
+    """accept x_i with min(1, factor · p/q) instead of min(1, p/q); residual as the real rule."""
+    def rule(p, q, draft, gen):  # noqa: ANN001, ANN202
+        for i, x in enumerate(draft):
+            u = torch.rand((), generator=gen, dtype=torch.float64).item()
+            if u * float(q[i, x]) > factor * float(p[i, x]):
+                r = torch.clamp(p[i] - q[i], min=0)
+                return i, _draw(r if r.sum() > 0 else p[i], gen)
+        return len(draft), _draw(p[len(draft)], gen)
+    return rule
+
+
+def no_residual_rule(p, q, draft, gen):  # noqa: ANN001, ANN201
+    """the right ratio test, but the correction drawn from p instead of the residual max(p − q, 0)."""
+    for i, x in enumerate(draft):
+        u = torch.rand((), generator=gen, dtype=torch.float64).item()
+        if u * float(q[i, x]) > float(p[i, x]):
+            return i, _draw(p[i], gen)
+    return len(draft), _draw(p[len(draft)], gen)

@@ -57,3 +57,29 @@ def _spec_llm(trained: dict, algo: str, **kw) -> LLM:  # noqa: ANN003
     kw.setdefault("kv_cache_memory", "512KiB")
     return LLM.from_model(_target(), speculative_algorithm=algo.upper(),
                           speculative_draft_model_path=str(trained["artifacts"][algo]), **kw)
+
+
+# the engine-level distribution tests of learned drafters (tests/test_drafters.py) and their negative
+# controls (tests/test_dist_power.py): the first L tokens of N seeded requests against the exact joint
+DIST_VOCAB, DIST_LEN, DIST_N = 3, 5, 2500
+DIST_PARAMS = SamplingParams(temperature=6.0, max_tokens=DIST_LEN, top_p=0.95)
+
+
+def random_drafter_llm(tmp: Path, algo: str, rule: str, **opts) -> LLM:  # noqa: ANN003
+    """A 3-token-vocabulary fp64 target with a randomly initialised `algo` drafter (a context-dependent
+    q ≠ p), accept rule `rule`, 3 draft tokens unless opts say otherwise."""
+    from specserve.drafters.artifact import build_net, save_drafter
+    from specserve.drafters.nets import DrafterConfig
+
+    cfg = tiny_config("llama", vocab=DIST_VOCAB, layers=2)
+    target = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=11), tmp / "t")
+    dcfg = DrafterConfig.for_target(algo, cfg, block_size=4 if algo in ("dflash", "dspark") else None,
+                                    markov_rank=8 if algo == "dspark" else None)
+    torch.manual_seed(5)
+    net = build_net(dcfg)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    save_drafter(net, tmp / "d", "", torch.float64)
+    return LLM(target, dtype="float64", speculative_algorithm=algo.upper(), speculative_draft_model_path=str(tmp / "d"),
+               speculative_accept=rule, max_running_requests=256, **{"speculative_num_draft_tokens": 3, **opts})

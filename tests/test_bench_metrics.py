@@ -64,20 +64,33 @@ vllm:spec_decode_num_draft_tokens_total{model_name="x"} 4e1
                                         "spec_decode_num_draft_tokens": 40.0}
 
 
-def test_bench_verify_runs_both_packings_on_the_same_batch(tmp_path) -> None:  # noqa: ANN001
+def test_bench_verify_runs_both_packings_on_the_same_batch(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """`bench verify` on a tiny target: both modes time the same ragged batch; token counts add up."""
     from specserve.bench.verify_cost import run
     from specserve.cli import build_parser
+    from specserve.engine.llm import LLM
     from tests.tiny import save_tiny_hf_dir, tiny_config, tiny_state_dict
 
     cfg = tiny_config(layers=2)
     target = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, 0), tmp_path / "t")
     a = build_parser().parse_args(["bench", "verify", target, "--batch-sizes", "3", "--context", "20",
                                    "--max-window", "4", "--repeats", "1", "--output", str(tmp_path / "v.json")])
+    rows: list[int] = []  # tokens each timed target forward actually ran through its first layer
+    from_config = LLM.from_config
+
+    def counted(config):  # noqa: ANN001, ANN202
+        llm = from_config(config)
+        llm.engine.model.layers[0].register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
+        return llm
+
+    monkeypatch.setattr(LLM, "from_config", staticmethod(counted))
     res = run(a)
     assert res["3-mixed"]["tokens_compact"] == 1 + 2 + 3 and res["3-mixed"]["tokens_padded"] == 3 * 3
     assert res["3-uniform"]["tokens_compact"] == res["3-uniform"]["tokens_padded"] == 15
-    assert all(r["compact_ms"] > 0 and r["padded_ms"] > 0 for r in res.values())
+    # each mode's forwards ran the token count it reports (warm-up + 1 repeat, modes interleaved):
+    # fails if both "modes" time the same packing (e.g. the mode argument is ignored) or the batch differs
+    assert rows == [6, 9, 6, 9] + [15] * 4
+    assert all(r["padded_over_compact"] == pytest.approx(r["padded_ms"] / r["compact_ms"]) for r in res.values())
     assert json.loads((tmp_path / "v.json").read_text())["results"] == json.loads(json.dumps(res))
 
 

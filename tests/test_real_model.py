@@ -106,3 +106,29 @@ def test_shipped_dspark_is_the_cli_default() -> None:
     assert llm.config.speculative_algorithm == "DSPARK" and llm.engine.num_draft_tokens == 7
     assert llm.config.speculative_window == "cost"
     assert LLM("smollm2-135m", speculative_algorithm="none").engine.drafter is None
+
+
+
+@pytest.fixture(scope="module")
+def plain_logprobs(llm: LLM, prompt_ids: list[list[int]]) -> list:
+    return llm.generate(prompt_ids[:3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5))
+
+
+@pytest.mark.parametrize("algo,opts", [("DSPARK", {}), ("EAGLE3", {}),
+                                       ("EAGLE3", {"speculative_eagle_topk": 4, "speculative_num_steps": 4})],
+                         ids=["dspark", "eagle3", "eagle3-tree"])
+def test_shipped_drafters_logprobs_equal_plain(algo: str, opts: dict, prompt_ids: list[list[int]], plain_logprobs: list,
+                                               smollm2_drafters: dict[str, str]) -> None:
+    """The shipped drafters on the real target: greedy logprobs (chosen token, top-5 ids and values) of
+    every emitted token equal plain decoding's; fp32, so values agree up to batch-shape rounding.
+    Catches logprobs read from the wrong verify row (or a tree's node order) on a real vocabulary."""
+    spec = LLM("smollm2-135m", dtype="float32", speculative_algorithm=algo,
+               speculative_draft_model_path=smollm2_drafters[algo], **opts)
+    outs = spec.generate(prompt_ids[:3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5))
+    assert spec.engine.stats.num_accepted_tokens > 0
+    for a, b in zip(plain_logprobs, outs):
+        assert b.token_ids == a.token_ids and len(b.logprobs) == 16
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert lb.token_id == la.token_id and abs(lb.logprob - la.logprob) <= 2e-4
+            assert [i for i, _ in lb.top[:3]] == [i for i, _ in la.top[:3]]  # (near-ties further down may swap)
+            assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top)) <= 2e-4

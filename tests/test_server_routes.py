@@ -1,4 +1,4 @@
-"""Server routes beyond generation: Prometheus metrics move after a speculative request, /v1/models,
+"""Server routes beyond generation: Prometheus metrics count exactly what a speculative request reports, /v1/models,
 /server_info, /tokenize and /detokenize, and the native /generate route (single, batched, streamed).
 """
 from __future__ import annotations
@@ -12,20 +12,37 @@ from .server_fixtures import client, model_dir, srv  # noqa: F401, F811  (fixtur
 from .server_utils import ServerThread, scrape, sse_events
 
 
-def test_metrics_move_after_speculative_request(client: openai.OpenAI, srv: ServerThread) -> None:
+def test_metrics_count_exactly_what_the_request_reports(srv: ServerThread) -> None:
+    """Counters move by exactly the request's own numbers (usage and speculative meta), per-token
+    histograms by one observation per token, and gauges return to idle. Fails if a counter is fed twice
+    (e.g. per step and per request), misses the bonus token, counts drafts that were cut by the window,
+    or observes ITL per emission instead of per token."""
     before = scrape(srv.url)
-    client.completions.create(model="tiny", prompt="w1 w2 w3 w4", max_tokens=32, temperature=0)
+    j = httpx.post(f"{srv.url}/generate", json={"input_ids": [1, 2, 3, 1, 2, 3, 1, 2],
+                                               "sampling_params": {"max_new_tokens": 32, "temperature": 0}},
+                   timeout=60).json()
     after = scrape(srv.url)
-    for name in ("specserve:spec_decode_num_drafts_total", "specserve:spec_decode_num_draft_tokens_total",
-                 "specserve:spec_decode_num_accepted_tokens_total",
-                 'specserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
-                 'specserve:request_success_total{finished_reason="length"}', "specserve:prompt_tokens_total",
-                 "specserve:e2e_request_latency_seconds_count", "specserve:time_to_first_token_seconds_count",
-                 "specserve:inter_token_latency_seconds_count"):
-        assert after[name] > before.get(name, 0), name
-    assert after["specserve:generation_tokens_total"] - before.get("specserve:generation_tokens_total", 0) == 32
+    meta = j["meta_info"]
+    assert meta["spec_accepted_tokens"] > 0 and meta["completion_tokens"] == 32
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    expect = {
+        "specserve:spec_decode_num_drafts_total": meta["spec_verify_ct"],
+        "specserve:spec_decode_num_draft_tokens_total": meta["spec_draft_tokens"],
+        "specserve:spec_decode_num_accepted_tokens_total": meta["spec_accepted_tokens"],
+        'specserve:request_success_total{finished_reason="length"}': 1,
+        "specserve:prompt_tokens_total": meta["prompt_tokens"],
+        "specserve:generation_tokens_total": meta["completion_tokens"],
+        "specserve:e2e_request_latency_seconds_count": 1, "specserve:time_to_first_token_seconds_count": 1,
+        "specserve:inter_token_latency_seconds_count": meta["completion_tokens"] - 1,
+    }
+    expect.update({f'specserve:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}': c
+                   for i, c in enumerate(meta["spec_accepted_per_pos"])})
+    assert {k: delta(k) for k in expect} == expect
     for gauge in ("specserve:num_requests_running", "specserve:num_requests_waiting", "specserve:kv_cache_usage_perc"):
-        assert gauge in after
+        assert after[gauge] == 0, gauge  # idle again: nothing running, waiting or holding KV pages
 
 
 def test_models_server_info_tokenize(client: openai.OpenAI, srv: ServerThread) -> None:

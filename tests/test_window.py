@@ -83,9 +83,16 @@ def test_cost_policy_is_lossless_and_adapts(monkeypatch: pytest.MonkeyPatch, alg
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30))
     for p, o in zip(prompts, outs):
         assert o.token_ids == reference_greedy(m, p, 30)
-        assert "spec_mean_window" in o.meta_info
+    # every decode row of every request is counted once, at the window it was given: the histogram's
+    # total equals the decode steps and its mean the drafted tokens (fails if a row is skipped, counted
+    # twice, or recorded before the policy cut it)
     counts = llm.engine.stats.window_counts
-    assert sum(counts) > 0
+    assert sum(k * c for k, c in enumerate(counts)) == sum(o.meta_info["spec_draft_tokens"] for o in outs)
+    # a decode step emits its accepted drafts + 1 (windows never pass max_tokens), after the prefill's token
+    steps = [29 - o.meta_info["spec_accepted_tokens"] for o in outs]
+    assert sum(counts) == sum(steps)
+    for o, n in zip(outs, steps):
+        assert o.meta_info["spec_mean_window"] == pytest.approx(o.meta_info["spec_draft_tokens"] / n)
     if rate == 0.0:  # nothing is ever accepted: the policy falls back to plain decoding
         assert counts[0] > sum(counts[1:])
     if rate == 0.9:

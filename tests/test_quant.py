@@ -64,3 +64,15 @@ def test_quantization_dtype_errors_name_the_flag() -> None:
         quantize_model(m, "w4a8")
     with pytest.raises(ValueError, match="--quantization: unknown"):
         quantize_model(tiny_model("llama", dtype=torch.float32), "int3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_keeps_an_8bit_file_head(dtype: torch.dtype) -> None:
+    """A GGUF's Q8_0 head stays 8-bit under int4 (4-bit re-quantization of it was int4's drift)."""
+    m = tiny_model("llama", dtype=dtype)
+    codes = quantize_blocks(m.embed.float(), 8)
+    quantize_model(m, "int4", {"model.embed_tokens.weight": codes})
+    assert isinstance(m.lm_head, BlockQuantWeight) and m.lm_head.bits == 8
+    h = torch.randn(3, m.cfg.hidden_size).to(dtype)
+    assert torch.equal(m.compute_logits(h), m.lm_head(h))
+    assert torch.allclose(m.compute_logits(h), h.float() @ codes.dequantize().T, atol=0.1, rtol=0.05)

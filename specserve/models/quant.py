@@ -20,7 +20,9 @@ from .quant_ref import pack
 
 GROUP = 32
 MODES = ("int4", "w4a8", "w8a8")
-_PROJ = ("qkv_w", "o_w", "gate_up_w", "down_w")
+# layer attribute → the HF projections fused into it (rows concatenated: blocks stay intact)
+_PARTS = {"qkv_w": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_w": ("self_attn.o_proj",),
+          "gate_up_w": ("mlp.gate_proj", "mlp.up_proj"), "down_w": ("mlp.down_proj",)}
 
 
 def quantize_blocks(w: torch.Tensor, bits: int) -> BlockCodes:
@@ -140,14 +142,12 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: dict[str, BlockCod
     blocks = blocks or {}
     make = (lambda c: Int4Weight(c, model.dtype)) if mode == "int4" else BlockQuantWeight  # noqa: E731
     ok = Int4Weight.supported if mode == "int4" else BlockQuantWeight.supported
-    parts = {"qkv_w": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_w": ("self_attn.o_proj",),
-             "gate_up_w": ("mlp.gate_proj", "mlp.up_proj"), "down_w": ("mlp.down_proj",)}
     for i, layer in enumerate(model.layers):
-        for name in _PROJ:
+        for name, parts in _PARTS.items():
             w = getattr(layer, name)
             if not ok(w):
                 continue
-            file_codes = [blocks.get(f"model.layers.{i}.{p}.weight") for p in parts[name]]
+            file_codes = [blocks.get(f"model.layers.{i}.{p}.weight") for p in parts]
             delattr(layer, name)  # a Parameter slot cannot hold the packed weight
             setattr(layer, name, make(_codes(mode, w, file_codes)))
     key = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"

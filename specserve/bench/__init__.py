@@ -1,12 +1,12 @@
-"""`specserve bench {accept,speed,serving,verify}`: acceptance tables, speed against baselines, serving load,
-ragged verify cost."""
+"""`specserve bench {accept,speed,serving,verify,quality,gemm}`: acceptance tables, speed against baselines,
+serving load, ragged verify cost, quantized-model drift, quantized GEMM timings."""
 from __future__ import annotations
 
 import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from . import accept, serving, speed, verify_cost
+    from . import accept, gemm, quality, serving, speed, verify_cost
 
     b = sub.add_parser("bench", help="benchmarks: acceptance per workload, speed vs baselines")
     bs = b.add_subparsers(dest="bench_command", required=True)
@@ -14,12 +14,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     speed.add_args(bs.add_parser("speed", help="tokens/s of plain vs speculative vs HF/llama.cpp"))
     serving.add_args(bs.add_parser("serving", help="load generator against an OpenAI-compatible server"))
     verify_cost.add_args(bs.add_parser("verify", help="ragged verify forward: compact vs padded packing"))
+    quality.add_args(bs.add_parser("quality", help="quantized modes vs fp32: top-1 agreement and perplexity"))
+    gemm.add_args(bs.add_parser("gemm", help="quantized GEMM timings per token count at the model's shapes"))
 
 
 def run_bench(a: argparse.Namespace) -> None:
-    from . import accept, serving, speed, verify_cost
+    from . import accept, gemm, quality, serving, speed, verify_cost
 
     try:
-        {"accept": accept.run, "speed": speed.run, "serving": serving.run, "verify": verify_cost.run}[a.bench_command](a)
+        {"accept": accept.run, "speed": speed.run, "serving": serving.run, "verify": verify_cost.run,
+         "quality": quality.run, "gemm": gemm.run}[a.bench_command](a)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specserve: error: {e}") from None

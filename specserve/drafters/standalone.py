@@ -128,10 +128,12 @@ def build_draft_runner(ctx: DrafterContext, model: "LlamaModel") -> ModelRunner:
 @register_drafter("STANDALONE", Capabilities(samples=True, draft_model=True, needs_draft_model_path=True),
                   aliases=("DRAFT_MODEL",))
 def _make(ctx: DrafterContext) -> Drafter:
-    from ..models import build_model
+    from ..models import build_model, resolve_dtype
 
     c = ctx.config
     dtype = ctx.draft_dtype(ctx.target.dtype)
-    model, tok = build_model(c.speculative_draft_model_path, dtype, c.quantization if dtype == torch.bfloat16 else None)
+    # quantized like the target when its dtype is the one the quantization mode runs in
+    quant = c.quantization if c.quantization and dtype == resolve_dtype("auto", c.quantization) else None
+    model, tok = build_model(c.speculative_draft_model_path, dtype, quant)
     ctx.check_same_vocab(tok, model.cfg)
     return StandaloneDrafter(build_draft_runner(ctx, model), ctx.greedy_draft)

@@ -23,12 +23,15 @@ def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None 
     """Load a checkpoint (HF dir, .gguf, or alias) into our model class; returns (model, tokenizer)."""
     from .loader import load_checkpoint
 
-    cfg, state_dict, tokenizer = load_checkpoint(name_or_path, dtype)
+    from .quant import quantize_model
+
+    blocks: dict | None = {} if quantization else None
+    cfg, state_dict, tokenizer = load_checkpoint(name_or_path, dtype, blocks)
     model = model_class(cfg.architecture)(cfg, dtype)
     model.load_weights(state_dict)
     del state_dict
-    if quantization == "int4":
-        model.quantize_int4()
+    if quantization:
+        quantize_model(model, quantization, blocks)
     return model, tokenizer
 
 

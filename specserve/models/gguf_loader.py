@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
+from .gguf_blocks import BlockCodes, gguf_blocks
 from .registry import normalize_architecture
 from .tokenizer import Tokenizer
 
@@ -147,9 +148,11 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]],
     )
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, blocks: dict[str, BlockCodes] | None = None
               ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a GGUF file: config, HF-named dequantized weights (cast to `dtype`), tokenizer."""
+    """Read a GGUF file: config, HF-named dequantized weights (cast to `dtype`), tokenizer.
+    If `blocks` is given, it is filled with HF name → the exact blocks of every Q8_0/Q4_0/Q4_1/Q4_K
+    matrix (for the integer GEMMs of --quantization w4a8/w8a8/int4)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -179,9 +182,14 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32
         if not arr.flags.writeable:  # F32 comes back as a view of the read-only mmap: own a copy
             arr = arr.copy()
         w = torch.from_numpy(arr)
+        codes = None if blocks is None else gguf_blocks(t.data, t.tensor_type.name, shapes[t.name])
         if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             n = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
             w = unpermute_rotary(w, n)
+            # NOTE: a row permutation moves whole rows, so every block stays exact
+            codes = None if codes is None else codes.rows(lambda r: unpermute_rotary(r, n).contiguous())
+        if codes is not None:
+            blocks[name] = codes
         weights[name] = w.to(dtype).contiguous()
         del arr, w
     cfg = replace(cfg, eos_token_ids=tokenizer.eos_token_ids)

@@ -13,7 +13,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
-from .quant import Int4Weight, linear
+from .quant import linear
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -159,21 +159,6 @@ class LlamaModel(nn.Module):
         if fb.logits_index is not None:
             x = x[fb.logits_index]
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps), captured
-
-    def quantize_int4(self) -> None:
-        """Swap every projection and the LM head for 4-bit weights (see quant.py); bf16 activations."""
-        if self.dtype != torch.bfloat16:
-            raise ValueError("--quantization int4 runs with bfloat16 activations: use --dtype bfloat16 (or auto)")
-        for layer in self.layers:
-            for name in ("qkv_w", "o_w", "gate_up_w", "down_w"):
-                w = getattr(layer, name)
-                if Int4Weight.supported(w):
-                    delattr(layer, name)  # a Parameter slot cannot hold the packed weight
-                    setattr(layer, name, Int4Weight(w))
-        if Int4Weight.supported(self.lm_head):
-            head = Int4Weight(self.lm_head)
-            del self.lm_head  # when tied, only the alias goes: the embedding stays registered
-            self.lm_head = head  # the embedding table stays dense (it is gathered, not multiplied)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 (or fp64 for fp64 models): sampling math never runs in bf16."""

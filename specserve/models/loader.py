@@ -47,16 +47,17 @@ def resolve_model_path(name_or_path: str) -> Path:
     )
 
 
-def load_checkpoint(name_or_path: str, dtype: torch.dtype = torch.float32
+def load_checkpoint(name_or_path: str, dtype: torch.dtype = torch.float32, blocks: dict | None = None
                     ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """(config, HF-named weights in `dtype`, tokenizer) for a GGUF file or an HF safetensors dir."""
+    """(config, HF-named weights in `dtype`, tokenizer) for a GGUF file or an HF safetensors dir.
+    `blocks` (GGUF only): filled with the file's exact quantized blocks (see gguf_loader.load_gguf)."""
     path = resolve_model_path(name_or_path)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path}: a model file must be a .gguf; otherwise pass an HF model directory")
         from .gguf_loader import load_gguf
 
-        cfg, weights, tok = load_gguf(path, dtype)
+        cfg, weights, tok = load_gguf(path, dtype, blocks)
         if not cfg.name:
             cfg = replace(cfg, name=path.stem)
     else:

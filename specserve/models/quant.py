@@ -1,30 +1,94 @@
-"""Weight-only 4-bit linear layers for CPU decoding (`--quantization int4`).
+"""Quantized linear layers for CPU decoding (`--quantization int4 | w4a8 | w8a8`) and model conversion.
 
-Decode on CPU is bound by reading weights: fp32 SmolLM2 moves ~540 MB per token. Groups of 32
-input weights share a scale and a zero point (asymmetric, as GGUF Q4_1), packed for torch's
-`_weight_int4pack_mm_for_cpu`, which dequantizes w = (q − 8)·scale + zero on the fly with bf16
-activations. Speculative decoding stays lossless with respect to this quantized model.
+- w4a8 / w8a8: weights in blocks of 32 (4- or 8-bit codes, fp32 scale and offset), activations quantized
+  to int8 per block of 32 per token, integer block dot products in our C++ kernel
+  (`torch.ops.specserve.qgemm`, numerics defined in quant_ref.py). GGUF blocks are kept exactly as the file
+  stores them (gguf_blocks.py); HF weights are quantized here. Output fp32; the model runs in fp32 around
+  it. Every row is computed independently in a fixed order: the GEMMs are batch-invariant and a row of a
+  verify equals the decode of that row bit for bit (end to end this also needs a row-invariant attention).
+- int4: torch's `_weight_int4pack_mm_for_cpu` (w = (q − 8)·scale + zero per group of 32), dequantizing
+  on the fly. Scales/zeros are kept in the activation dtype (fp32 with --dtype float32).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from .gguf_blocks import BlockCodes
+from .quant_ref import pack
+
 GROUP = 32
+MODES = ("int4", "w4a8", "w8a8")
+# layer attribute → the HF projections fused into it (rows concatenated: blocks stay intact)
+_PARTS = {"qkv_w": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_w": ("self_attn.o_proj",),
+          "gate_up_w": ("mlp.gate_proj", "mlp.up_proj"), "down_w": ("mlp.down_proj",)}
+
+
+def quantize_blocks(w: torch.Tensor, bits: int) -> BlockCodes:
+    """Float [N, K] → groups of 32: 4-bit asymmetric (as Q4_1: d = (max − min)/15, m = min) or 8-bit
+    symmetric (as Q8_0: d = amax/127). Codes round half to even."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // GROUP, GROUP)
+    if bits == 4:
+        lo, hi = g.amin(-1), g.amax(-1)
+        d = (hi - lo) / 15
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round((g - lo[..., None]) / safe[..., None]).clamp(0, 15)
+        return BlockCodes(q.to(torch.int16).reshape(N, K), d, lo, 4)
+    d = g.abs().amax(-1) / 127
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round(g / safe[..., None]).clamp(-127, 127)
+    return BlockCodes(q.to(torch.int16).reshape(N, K), d, None, 8)
+
+
+def cat_rows(parts: list[BlockCodes]) -> BlockCodes:
+    """Concatenate along N (fused q|k|v, gate|up). Mixed kinds are widened exactly: 4-bit codes 0..15 are
+    valid 8-bit codes, and a missing offset is m = 0 (its term adds exactly 0)."""
+    bits = max(p.bits for p in parts)
+    has_m = any(p.m is not None for p in parts)
+    ms = [(p.m if p.m is not None else torch.zeros_like(p.d)) for p in parts] if has_m else None
+    return BlockCodes(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+                      torch.cat(ms) if ms else None, bits)
+
+
+def _impl() -> int:
+    """1 forces the portable kernel path (tests compare it with the SIMD one)."""
+    return 1 if os.environ.get("SPECSERVE_QUANT_PORTABLE", "") not in ("", "0") else 0
+
+
+class BlockQuantWeight:
+    """A [n, k] weight packed for `torch.ops.specserve.qgemm`. Call it like F.linear; returns fp32."""
+
+    def __init__(self, codes: BlockCodes) -> None:
+        from .. import kernels
+
+        kernels.load()
+        self.shape = tuple(codes.q.shape)
+        self.bits = codes.bits
+        self.wp, self.wd, self.wm = pack(codes.q, codes.d, codes.m, codes.bits)
+
+    @staticmethod
+    def supported(w: torch.Tensor) -> bool:
+        return w.dim() == 2 and w.shape[1] % GROUP == 0
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.specserve.qgemm(x.float(), self.wp, self.wd, self.wm, self.shape[0], self.bits, _impl())
+        return y if bias is None else y + bias
 
 
 class Int4Weight:
-    """A [n, k] weight stored as 4-bit codes + per-group (scale, zero). Call it like F.linear."""
+    """A [n, k] weight stored as 4-bit codes + per-group (scale, zero) for torch's int4 CPU kernel."""
 
-    def __init__(self, w: torch.Tensor) -> None:
-        n, k = w.shape
-        g = w.float().reshape(n, k // GROUP, GROUP)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-10)
-        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
-        zero = lo + 8 * scale  # kernel: (q - 8) * scale + zero == q * scale + lo
-        self.shape = (n, k)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        self.scale_zero = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()  # [k/32, n, 2]
+    def __init__(self, codes: BlockCodes, dtype: torch.dtype) -> None:
+        if codes.bits != 4:
+            raise ValueError("int4 needs 4-bit blocks")
+        n, k = codes.q.shape
+        m = codes.m if codes.m is not None else torch.zeros_like(codes.d)
+        zero = m + 8 * codes.d  # kernel: (q − 8)·scale + zero == q·d + m
+        self.shape, self.dtype = (n, k), dtype
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.q.to(torch.int32), 1)
+        self.scale_zero = torch.stack([codes.d.T, zero.T], dim=-1).to(dtype).contiguous()  # [k/32, n, 2]
 
     @staticmethod
     def supported(w: torch.Tensor) -> bool:
@@ -32,18 +96,69 @@ class Int4Weight:
 
     def dequantize(self) -> torch.Tensor:
         """The effective weight (tests): what the kernel multiplies with."""
-        eye = torch.eye(self.shape[1], dtype=torch.bfloat16)
+        eye = torch.eye(self.shape[1], dtype=self.dtype)
         return self(eye).T.float()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed, GROUP,
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(self.dtype), self.packed, GROUP,
                                               self.scale_zero)
         y = y.reshape(*shape[:-1], self.shape[0])
         return y if bias is None else y + bias
 
 
-def linear(x: torch.Tensor, w: "torch.Tensor | Int4Weight", bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(w, Int4Weight):
+QuantWeight = BlockQuantWeight | Int4Weight
+
+
+def linear(x: torch.Tensor, w: "torch.Tensor | QuantWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, (BlockQuantWeight, Int4Weight)):
         return w(x, bias)
     return torch.nn.functional.linear(x, w, bias)
+
+
+def _codes(mode: str, w: torch.Tensor, file_codes: list[BlockCodes | None] | None) -> BlockCodes:
+    """The blocks for one (possibly fused) weight: the file's own when every part has them and the mode
+    keeps them (w4a8 keeps 4- and 8-bit blocks; int4 keeps 4-bit; w8a8 keeps 8-bit), else quantized from
+    the float weight at the mode's width."""
+    bits = 8 if mode == "w8a8" else 4
+    if file_codes and all(c is not None for c in file_codes):
+        kept = [c for c in file_codes if mode == "w4a8" or c.bits == bits]
+        if len(kept) == len(file_codes):
+            return cat_rows(kept)
+    return quantize_blocks(w, bits)
+
+
+def quantize_model(model: torch.nn.Module, mode: str, blocks: dict[str, BlockCodes] | None = None) -> None:
+    """Swap every projection and the LM head of a loaded LlamaModel for quantized weights in place.
+    `blocks`: HF name → the GGUF file's exact blocks (from load_gguf); others are quantized here.
+    The embedding table stays dense (it is gathered, not multiplied)."""
+    if mode not in MODES:
+        raise ValueError(f"--quantization: unknown {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "int4" and model.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("--quantization int4 runs with float32 or bfloat16 activations: use --dtype float32/bfloat16")
+    if mode != "int4" and model.dtype != torch.float32:
+        raise ValueError(f"--quantization {mode} runs with float32 activations around the integer GEMMs: "
+                         "use --dtype float32 (or auto)")
+    blocks = blocks or {}
+    make = (lambda c: Int4Weight(c, model.dtype)) if mode == "int4" else BlockQuantWeight  # noqa: E731
+    ok = Int4Weight.supported if mode == "int4" else BlockQuantWeight.supported
+    for i, layer in enumerate(model.layers):
+        for name, parts in _PARTS.items():
+            w = getattr(layer, name)
+            if not ok(w):
+                continue
+            file_codes = [blocks.get(f"model.layers.{i}.{p}.weight") for p in parts]
+            delattr(layer, name)  # a Parameter slot cannot hold the packed weight
+            setattr(layer, name, make(_codes(mode, w, file_codes)))
+    key = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
+    head_codes = blocks.get(key)
+    if mode == "int4" and head_codes is not None and head_codes.bits == 8:
+        # NOTE: re-quantizing the file's 8-bit head to 4 bits was int4's drift from fp32 (agreement 0.89 ->
+        # 0.98); the head keeps its Q8_0 blocks through the w8a8 kernel (fp32 logits) instead.
+        head = BlockQuantWeight(head_codes)
+    elif ok(model.lm_head):
+        head = make(_codes(mode, model.lm_head, [head_codes]))
+    else:
+        return
+    del model.lm_head  # when tied, only the alias goes: the embedding stays registered
+    model.lm_head = head

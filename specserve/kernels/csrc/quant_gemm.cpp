@@ -1,0 +1,264 @@
+// Block-scaled integer GEMM: y[m, n] = Σ_b (d_w·d_a)·isum(q_w·q_a) [+ m_w·sa], weights in blocks of 32
+// (4-bit codes 0..15 or int8, fp32 scale d and optional fp32 offset m per block), activations int8 per
+// block of 32 per token (symmetric, d_a = amax/127). Layout and numerics: specserve/models/quant_ref.py.
+//
+// NOTE: every output element is the same sequence of fp32 operations in block order b = 0..nb-1
+// (mul then add, never fused: -ffp-contract=off), whatever M, N, the thread count or the SIMD path;
+// the integer part is exact. So rows are independent (decode == verify, batch invariance) and the
+// AVX-512-VNNI path, the portable path and the torch reference agree bit for bit.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define SPECSERVE_X86 1
+#endif
+
+namespace {
+
+constexpr int QK = 32;   // block length along K
+constexpr int NR = 16;   // output columns per packed tile (one zmm lane each)
+constexpr int MR = 8;    // rows sharing one pass over a weight tile
+// Blocks with amax below this quantize to zero (d_a = 0): 127/amax would overflow to inf.
+constexpr float TINY = 0x1p-100f;
+
+struct Acts {  // one quantized activation matrix
+  const int8_t* q; const float* d; const float* sa; const int32_t* sum; int64_t K, nb;
+};
+
+// ---- activation quantization (portable) --------------------------------------------------------
+void quantize_rows_portable(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum) {
+  const int64_t nb = K / QK;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * QK;
+    float amax = 0.f;
+    for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+    const float id = amax >= TINY ? 127.f / amax : 0.f;
+    int32_t s = 0;
+    for (int j = 0; j < QK; ++j) {
+      float r = std::nearbyint(xb[j] * id);  // default rounding mode: half to even
+      r = std::fmin(std::fmax(r, -127.f), 127.f);
+      q[i * QK + j] = static_cast<int8_t>(r);
+      s += static_cast<int32_t>(r);
+    }
+    d[i] = amax >= TINY ? amax / 127.f : 0.f;
+    sum[i] = s;
+    sa[i] = d[i] * static_cast<float>(s);
+  }
+}
+
+// ---- block dot products (portable): same operation order as the SIMD path --------------------
+void gemm_tile_portable(const Acts& a, int64_t m0, int64_t mr, const uint8_t* wp, const float* wd, const float* wm,
+                        int bits, float* out, int64_t ldo, int64_t ncols) {
+  const int64_t nb = a.nb;
+  const int64_t tile_bytes = bits == 4 ? QK * NR / 2 : QK * NR;  // per block
+  const int32_t offset = bits == 8 ? 128 : 0;
+  for (int64_t r = 0; r < mr; ++r) {
+    const int64_t m = m0 + r;
+    float acc[NR] = {0.f};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wp + b * tile_bytes;
+      const int8_t* qa = a.q + m * a.K + b * QK;
+      const float da = a.d[m * nb + b], sab = a.sa[m * nb + b];
+      const int32_t corr = offset * a.sum[m * nb + b];
+      for (int c = 0; c < NR; ++c) {
+        int32_t s = 0;
+        for (int g = 0; g < 8; ++g) {  // group g holds k = 4g..4g+3
+          for (int e = 0; e < 4; ++e) {
+            int32_t u;
+            if (bits == 4) {
+              const uint8_t byte = blk[((g & 3) * NR + c) * 4 + e];
+              u = g < 4 ? (byte & 0xF) : (byte >> 4);
+            } else {
+              u = blk[(g * NR + c) * 4 + e];
+            }
+            s += u * static_cast<int32_t>(qa[4 * g + e]);
+          }
+        }
+        s -= corr;
+        const float scale = wd[b * NR + c] * da;
+        acc[c] = acc[c] + scale * static_cast<float>(s);
+        if (wm) acc[c] = acc[c] + wm[b * NR + c] * sab;
+      }
+    }
+    for (int64_t c = 0; c < ncols; ++c) out[r * ldo + c] = acc[c];
+  }
+}
+
+#ifdef SPECSERVE_X86
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+VNNI_TARGET void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa,
+                                    int32_t* sum) {
+  const int64_t nb = K / QK;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * QK;
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const __m512 a = _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1));
+    const float amax = _mm512_reduce_max_ps(a);  // max is exact in any order
+    const float id = amax >= TINY ? 127.f / amax : 0.f;
+    const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    // cvtps rounds with MXCSR (half to even), as nearbyint does.
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x0, vid), lo), hi));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x1, vid), lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK + 16), _mm512_cvtsepi32_epi8(q1));
+    const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    d[i] = amax >= TINY ? amax / 127.f : 0.f;
+    sum[i] = s;
+    sa[i] = d[i] * static_cast<float>(s);
+  }
+}
+
+// R rows against one tile of 16 columns; the weight block stays in registers for all R rows.
+template <int R, int BITS, bool HAS_M>
+VNNI_TARGET void gemm_tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, const float* wd, const float* wm,
+                                float* out, int64_t ldo, int64_t ncols) {
+  const int64_t nb = a.nb;
+  constexpr int64_t tile_bytes = BITS == 4 ? QK * NR / 2 : QK * NR;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wp + b * tile_bytes;
+    __m512i w[8];
+    if (BITS == 4) {
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512(blk + g * 64);
+        w[g] = _mm512_and_si512(v, nib);
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      }
+    } else {
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(blk + g * 64);
+    }
+    const __m512 dw = _mm512_loadu_ps(wd + b * NR);
+    __m512 mw = _mm512_setzero_ps();
+    if (HAS_M) mw = _mm512_loadu_ps(wm + b * NR);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int32_t* qa = reinterpret_cast<const int32_t*>(a.q + m * a.K + b * QK);
+      // two independent chains (integer sums: exact in any order)
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int g = 0; g < 8; g += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(qa[g]));
+        s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(qa[g + 1]));
+      }
+      __m512i s = _mm512_add_epi32(s0, s1);
+      if (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.sum[m * nb + b]));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[m * nb + b]));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(s)));
+      if (HAS_M) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mw, _mm512_set1_ps(a.sa[m * nb + b])));
+    }
+  }
+  const __mmask16 mask = ncols >= NR ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+}
+
+template <int BITS, bool HAS_M>
+VNNI_TARGET void gemm_rows_vnni(const Acts& a, int64_t m0, int64_t mr, const uint8_t* wp, const float* wd,
+                                const float* wm, float* out, int64_t ldo, int64_t ncols) {
+  switch (mr) {
+#define CASE(R) case R: gemm_tile_vnni<R, BITS, HAS_M>(a, m0, wp, wd, wm, out, ldo, ncols); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+  }
+}
+
+bool have_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+#else
+bool have_vnni() { return false; }
+#endif
+
+// impl: 0 = best available, 1 = portable (tests force it to compare paths).
+bool use_vnni(int64_t impl) { return impl == 0 && have_vnni(); }
+
+std::vector<at::Tensor> quantize_act(const at::Tensor& x_, int64_t impl) {
+  TORCH_CHECK(x_.dim() == 2 && x_.size(1) % QK == 0, "quantize_act: x must be [M, K] with K % 32 == 0");
+  const at::Tensor x = x_.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, nb}, x.options());
+  at::Tensor sa = at::empty({M, nb}, x.options());
+  at::Tensor sum = at::empty({M, nb}, x.options().dtype(at::kInt));
+  auto args = std::make_tuple(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                              sa.data_ptr<float>(), sum.data_ptr<int32_t>());
+#ifdef SPECSERVE_X86
+  if (use_vnni(impl)) { std::apply(quantize_rows_vnni, args); return {q, d, sa, sum}; }
+#endif
+  std::apply(quantize_rows_portable, args);
+  return {q, d, sa, sum};
+}
+
+// x [M, K] float; wp packed codes [ntiles, nb, bytes]; wd/wm [ntiles, nb, 16] → y [M, n] float.
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at::Tensor>& wm_,
+                 int64_t n, int64_t bits, int64_t impl) {
+  TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
+  TORCH_CHECK(wp.dtype() == at::kByte && wp.is_contiguous() && wd.dtype() == at::kFloat && wd.is_contiguous(),
+              "qgemm: packed weights must be contiguous uint8 codes and float32 scales");
+  const int64_t K = x.size(-1), nb = K / QK, ntiles = (n + NR - 1) / NR;
+  TORCH_CHECK(wd.numel() == ntiles * nb * NR && wp.numel() == ntiles * nb * QK * NR * bits / 8,
+              "qgemm: packed weight does not match K=", K, " n=", n);
+  const bool has_m = wm_.has_value() && wm_->defined();
+  if (has_m) TORCH_CHECK(wm_->dtype() == at::kFloat && wm_->is_contiguous() && wm_->numel() == wd.numel(),
+                         "qgemm: offsets must be float32 shaped like the scales");
+  auto act = quantize_act(x.reshape({-1, K}), impl);
+  const int64_t M = act[0].size(0);
+  at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
+  const Acts a{act[0].data_ptr<int8_t>(), act[1].data_ptr<float>(), act[2].data_ptr<float>(),
+               act[3].data_ptr<int32_t>(), K, nb};
+  const uint8_t* wpp = wp.data_ptr<uint8_t>();
+  const float* wdp = wd.data_ptr<float>();
+  const float* wmp = has_m ? wm_->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t tile_bytes = nb * QK * NR * bits / 8;
+  const bool vnni = use_vnni(impl);
+  // NOTE: the split over tiles (columns) never changes any column's arithmetic.
+  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tw = wpp + t * tile_bytes;
+      const float* td = wdp + t * nb * NR;
+      const float* tm = has_m ? wmp + t * nb * NR : nullptr;
+      const int64_t ncols = std::min<int64_t>(NR, n - t * NR);
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int64_t mr = std::min<int64_t>(MR, M - m0);
+        float* out = yp + m0 * n + t * NR;
+#ifdef SPECSERVE_X86
+        if (vnni) {
+          if (bits == 4 && has_m) gemm_rows_vnni<4, true>(a, m0, mr, tw, td, tm, out, n, ncols);
+          else if (bits == 4) gemm_rows_vnni<4, false>(a, m0, mr, tw, td, tm, out, n, ncols);
+          else if (has_m) gemm_rows_vnni<8, true>(a, m0, mr, tw, td, tm, out, n, ncols);
+          else gemm_rows_vnni<8, false>(a, m0, mr, tw, td, tm, out, n, ncols);
+          continue;
+        }
+#endif
+        gemm_tile_portable(a, m0, mr, tw, td, tm, static_cast<int>(bits), out, n, ncols);
+      }
+    }
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return y.view(shape);
+}
+
+std::string quant_isa() { return have_vnni() ? "avx512vnni" : "portable"; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("quantize_act(Tensor x, int impl=0) -> Tensor[]", &quantize_act);
+  m.def("qgemm(Tensor x, Tensor wp, Tensor wd, Tensor? wm, int n, int bits, int impl=0) -> Tensor", &qgemm);
+  m.def("quant_isa() -> str", &quant_isa);
+}

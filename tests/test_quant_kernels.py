@@ -1,0 +1,113 @@
+"""Block-scaled int8 GEMM (torch.ops.specserve.qgemm): bit-equal to the torch reference on every SIMD path and
+thread count, rows independent of the batch, GGUF blocks exact."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specserve import kernels
+from specserve.models.gguf_blocks import gguf_blocks
+from specserve.models.quant_ref import pack, qgemm_ref, quantize_act_ref
+
+PATHS = (0, 1)  # 0 = best available (AVX-512-VNNI here), 1 = portable
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ops() -> None:
+    kernels.load()
+
+
+def _weights(N: int, K: int, bits: int, has_m: bool, seed: int = 0):  # noqa: ANN202
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=g) if bits == 4 else torch.randint(-128, 128, (N, K), generator=g)
+    d = torch.rand(N, K // 32, generator=g) * 0.02
+    m = torch.randn(N, K // 32, generator=g) * 0.02 if has_m else None
+    return q, d, m
+
+
+def _acts(M: int, K: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.rand(1, K, generator=g) * 4
+    x[:, 5] *= 300  # a massive-activation channel, as SmolLM2 has
+    x[0, 32:64] = 0  # an all-zero block
+    return x
+
+
+@pytest.mark.parametrize("impl", PATHS)
+def test_quantize_act_matches_reference(impl: int) -> None:
+    x = _acts(7, 128)
+    x[1, :32] = torch.arange(32) - 15.5  # ties: x·127/amax lands on .5 for several entries
+    x[2, 64:96] = 1e-35  # below the zero-block threshold
+    got, ref = torch.ops.specserve.quantize_act(x, impl), quantize_act_ref(x)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert bool((ref[0][0, 32:64] == 0).all()) and float(ref[1][2, 2]) == 0.0
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("impl", PATHS)
+@pytest.mark.parametrize("bits,has_m", [(4, True), (4, False), (8, False), (8, True)])
+def test_qgemm_bit_equal_to_reference(bits: int, has_m: bool, impl: int, threads: int) -> None:
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for M, K, N in ((1, 32, 16), (3, 576, 40), (8, 576, 960), (13, 1536, 72)):  # N % 16 != 0 too
+            q, d, m = _weights(N, K, bits, has_m)
+            x = _acts(M, K)
+            y = torch.ops.specserve.qgemm(x, *pack(q, d, m, bits), N, bits, impl)
+            assert torch.equal(y, qgemm_ref(x, q, d, m)), (M, K, N)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("bits", (4, 8))
+def test_lm_head_shape_bit_equal_and_rows_independent(bits: int) -> None:
+    """SmolLM2's head (N=49152, K=576): both paths equal the reference; rows of an M=8 call equal M=1 calls."""
+    N, K = 49152, 576
+    q, d, m = _weights(N, K, bits, has_m=bits == 4)
+    w = pack(q, d, m, bits)
+    x = _acts(8, K)
+    ref = qgemm_ref(x, q, d, m)
+    for impl in PATHS:
+        y = torch.ops.specserve.qgemm(x, *w, N, bits, impl)
+        assert torch.equal(y, ref)
+        for r in (0, 3, 7):
+            assert torch.equal(torch.ops.specserve.qgemm(x[r:r + 1], *w, N, bits, impl)[0], y[r])
+
+
+def test_rows_do_not_depend_on_the_batch() -> None:
+    """Verify (M = 1..17 rows) vs decode (M = 1): every row bit-identical, on every path."""
+    q, d, m = _weights(960, 576, 4, True)
+    w = pack(q, d, m, 4)
+    x = _acts(17, 576)
+    for impl in PATHS:
+        single = torch.cat([torch.ops.specserve.qgemm(x[i:i + 1], *w, 960, 4, impl) for i in range(17)])
+        for M in (2, 5, 8, 9, 16, 17):
+            assert torch.equal(torch.ops.specserve.qgemm(x[:M], *w, 960, 4, impl), single[:M])
+
+
+def test_pack_rejects_out_of_range_4bit_codes() -> None:
+    q, d, m = _weights(16, 32, 8, False)
+    with pytest.raises(ValueError, match="0..15"):
+        pack(q, d, m, 4)
+
+
+@pytest.mark.parametrize("qtype,size,per", [("Q8_0", 34, 32), ("Q4_0", 18, 32), ("Q4_1", 20, 32), ("Q4_K", 144, 256)])
+def test_gguf_blocks_are_exact(qtype: str, size: int, per: int) -> None:
+    """Random raw GGUF blocks: our (q, d, m) reproduce gguf-py's dequantization exactly."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(0)
+    N, K = 8, 512
+    raw = rng.integers(0, 256, (N, K // per * size), dtype=np.uint8)
+    b = raw.reshape(N, K // per, size)
+    f16 = lambda a: np.frombuffer(a.astype(np.float16).tobytes(), np.uint8).reshape(N, K // per, 2)  # noqa: E731
+    b[..., 0:2] = f16(rng.random((N, K // per)) * 0.01)
+    if qtype in ("Q4_1", "Q4_K"):
+        b[..., 2:4] = f16(rng.standard_normal((N, K // per)) * 0.01)
+    ref = dequantize(raw, getattr(GGMLQuantizationType, qtype)).reshape(N, K).astype(np.float32)
+    codes = gguf_blocks(raw, qtype, (N, K))
+    assert codes is not None and codes.bits == (8 if qtype == "Q8_0" else 4)
+    assert np.array_equal(codes.dequantize().numpy(), ref)

@@ -1,0 +1,65 @@
+"""w4a8 on the bundled SmolLM2 GGUF (Q4_1 + Q8_0): the file's blocks kept exactly, batch invariance, speculation
+lossless, and teacher-forced agreement with the fp32 model on held-out text."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.bench.quality import compare, held_out_text, teacher_forced_logits
+from specserve.models import build_model
+from specserve.models.quant import BlockQuantWeight
+
+SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea.", "import numpy as np\n"]
+
+
+@pytest.fixture(scope="module")
+def w4a8() -> LLM:
+    return LLM("smollm2-135m", quantization="w4a8", speculative_algorithm="NONE")
+
+
+def test_gguf_blocks_equal_the_loaders_dequantized_weights() -> None:
+    from specserve.models.gguf_loader import load_gguf
+    from specserve.models.loader import resolve_model_path
+
+    blocks: dict = {}
+    _, weights, _ = load_gguf(resolve_model_path("smollm2-135m"), torch.float32, blocks)
+    assert {c.bits for c in blocks.values()} == {4, 8}  # Q4_1 projections, Q8_0 embedding/head
+    assert blocks["model.embed_tokens.weight"].bits == 8
+    for name, codes in blocks.items():  # q/k rows unpermuted exactly like the float weights
+        assert torch.equal(codes.dequantize(), weights[name]), name
+
+
+def test_w4a8_head_and_layers_keep_the_files_blocks(w4a8: LLM) -> None:
+    m = w4a8.engine.model
+    assert isinstance(m.layers[0].gate_up_w, BlockQuantWeight)
+    assert m.layers[0].qkv_w.bits == 4 and m.lm_head.bits == 8  # Q4_1 layers, Q8_0 tied head
+
+
+@pytest.mark.xfail(strict=True, reason="the fp32 attention (F.scaled_dot_product_attention over padded, masked "
+                   "batches vs a plain view alone) differs from the single-request path by ~1 ulp, which the int8 "
+                   "activation rounding amplifies; the quantized GEMMs themselves are row-invariant "
+                   "(test_quant_kernels). Remove this mark once the paged-attention op is row-invariant.")
+def test_w4a8_batch_invariant(w4a8: LLM) -> None:
+    together = [o.token_ids for o in w4a8.generate(PROMPTS, SP)]
+    alone = [w4a8.generate([p], SP)[0].token_ids for p in PROMPTS]
+    assert together == alone
+
+
+@pytest.mark.xfail(strict=True, reason="attention over a verify window (q_len k+1) differs by ~1 ulp from decode "
+                   "(q_len 1) in F.scaled_dot_product_attention; the int8 rounding amplifies it. The GEMMs are "
+                   "row-invariant. Remove this mark once the paged-attention op is row-invariant.")
+def test_w4a8_speculation_lossless_one_request(w4a8: LLM) -> None:
+    m = w4a8.engine.model
+    spec = LLM.from_model(m, tokenizer=w4a8.engine.tokenizer, speculative_algorithm="NGRAM",
+                          speculative_num_draft_tokens=5)
+    for p in PROMPTS:
+        assert spec.generate([p], SP)[0].token_ids == w4a8.generate([p], SP)[0].token_ids, p
+
+
+def test_w4a8_agrees_with_fp32_teacher_forced(w4a8: LLM) -> None:
+    fp32, tok = build_model("smollm2-135m", torch.float32)
+    ids = held_out_text(tok, 256)
+    r = compare(teacher_forced_logits(fp32, ids), teacher_forced_logits(w4a8.engine.model, ids), ids)
+    assert r["agreement"] >= 0.94, r

@@ -6,7 +6,7 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from . import accept, serving, speed, verify_cost
+    from . import accept, serving, speed, step_time, verify_cost
 
     b = sub.add_parser("bench", help="benchmarks: acceptance per workload, speed vs baselines")
     bs = b.add_subparsers(dest="bench_command", required=True)
@@ -14,12 +14,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     speed.add_args(bs.add_parser("speed", help="tokens/s of plain vs speculative vs HF/llama.cpp"))
     serving.add_args(bs.add_parser("serving", help="load generator against an OpenAI-compatible server"))
     verify_cost.add_args(bs.add_parser("verify", help="ragged verify forward: compact vs padded packing"))
+    step_time.add_args(bs.add_parser("step", help="step-time breakdown of one decode and one verify forward"))
 
 
 def run_bench(a: argparse.Namespace) -> None:
-    from . import accept, serving, speed, verify_cost
+    from . import accept, serving, speed, step_time, verify_cost
 
     try:
-        {"accept": accept.run, "speed": speed.run, "serving": serving.run, "verify": verify_cost.run}[a.bench_command](a)
+        {"accept": accept.run, "speed": speed.run, "serving": serving.run, "verify": verify_cost.run,
+         "step": step_time.run}[a.bench_command](a)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specserve: error: {e}") from None

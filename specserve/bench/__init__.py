@@ -1,12 +1,12 @@
-"""`specserve bench {accept,speed,serving,verify,quality,gemm}`: acceptance tables, speed against baselines,
-serving load, ragged verify cost, quantized-model drift, quantized GEMM timings."""
+"""`specserve bench {accept,speed,serving,verify,quality,gemm,step}`: acceptance tables, speed against baselines,
+serving load, ragged verify cost, quantized-model drift, quantized GEMM timings, step-time breakdown."""
 from __future__ import annotations
 
 import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from . import accept, gemm, quality, serving, speed, verify_cost
+    from . import accept, gemm, quality, serving, speed, step_time, verify_cost
 
     b = sub.add_parser("bench", help="benchmarks: acceptance per workload, speed vs baselines")
     bs = b.add_subparsers(dest="bench_command", required=True)
@@ -16,13 +16,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     verify_cost.add_args(bs.add_parser("verify", help="ragged verify forward: compact vs padded packing"))
     quality.add_args(bs.add_parser("quality", help="quantized modes vs fp32: top-1 agreement and perplexity"))
     gemm.add_args(bs.add_parser("gemm", help="quantized GEMM timings per token count at the model's shapes"))
+    step_time.add_args(bs.add_parser("step", help="step-time breakdown of one decode and one verify forward"))
 
 
 def run_bench(a: argparse.Namespace) -> None:
-    from . import accept, gemm, quality, serving, speed, verify_cost
+    from . import accept, gemm, quality, serving, speed, step_time, verify_cost
 
     try:
         {"accept": accept.run, "speed": speed.run, "serving": serving.run, "verify": verify_cost.run,
-         "quality": quality.run, "gemm": gemm.run}[a.bench_command](a)
+         "quality": quality.run, "gemm": gemm.run, "step": step_time.run}[a.bench_command](a)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specserve: error: {e}") from None

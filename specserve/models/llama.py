@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from . import fused
 from .forward_batch import ForwardBatch
 from .quant import linear
 
@@ -46,23 +47,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
                     k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """q [T, H, hd], k/v [T, KVH, hd] of the packed new tokens → attention output [T, H * hd].
-    Writes k/v at fb.slot_mapping, then attends over each request's context slots under fb.attn_mask."""
-    T, nq, hd = q.shape
+    Writes k/v at fb.slot_mapping, then attends over each request's context slots. Fused (ragged,
+    C++) when the extension is on, else the padded pure-torch reference below."""
     # NOTE: new K/V land in the pool first; the context read below includes them.
     k_cache.index_copy_(0, fb.slot_mapping, k)
     v_cache.index_copy_(0, fb.slot_mapping, v)
-    B = fb.ctx_slots.shape[0]
-    uq = fb.uniform_q
-    qp = (q.view(B, uq, nq, hd) if uq else q[fb.q_index]).transpose(1, 2)  # [B, H, q_max, hd]
-    if fb.ctx_start is not None:  # one request, consecutive pages: a view instead of a copy
-        span = slice(fb.ctx_start, fb.ctx_start + fb.ctx_slots.shape[1])
+    if fused.enabled():
+        return fused.attention(q, fb, k_cache, v_cache)
+    return reference_attention(q, fb, k_cache, v_cache)
+
+
+def reference_attention(q: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """SDPA over the padded [B, q_max] × [B, L] rectangle (K/V already in the pool)."""
+    T, nq, hd = q.shape
+    pd = fb.padded
+    B = pd.ctx_slots.shape[0]
+    uq = pd.uniform_q
+    qp = (q.reshape(B, uq, nq, hd) if uq else q[pd.q_index]).transpose(1, 2)  # [B, H, q_max, hd]
+    if pd.ctx_start is not None:  # one request, consecutive pages: a view instead of a copy
+        span = slice(pd.ctx_start, pd.ctx_start + pd.ctx_slots.shape[1])
         kc, vc = k_cache[span].unsqueeze(0).transpose(1, 2), v_cache[span].unsqueeze(0).transpose(1, 2)
     else:
-        kc = k_cache[fb.ctx_slots].transpose(1, 2)  # [B, KVH, L, hd]
-        vc = v_cache[fb.ctx_slots].transpose(1, 2)
-    o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=fb.attn_mask, enable_gqa=nq != k.shape[1])
+        kc = k_cache[pd.ctx_slots].transpose(1, 2)  # [B, KVH, L, hd]
+        vc = v_cache[pd.ctx_slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=pd.attn_mask, enable_gqa=nq != k_cache.shape[1])
     o = o.transpose(1, 2)
-    return o.reshape(T, -1) if uq else o[fb.q_valid].reshape(T, -1)  # back to packed order
+    return o.reshape(T, -1) if uq else o[pd.q_valid].reshape(T, -1)  # back to packed order
 
 
 class DecoderLayer(nn.Module):
@@ -100,6 +110,21 @@ class DecoderLayer(nn.Module):
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
         gate, up = linear(h, self.gate_up_w).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down_w)
+
+    def forward_fused(self, x: torch.Tensor, h: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Lean loop: h = input_norm(x) is given; x (the residual) gets the attention output added in
+        place; returns the MLP output for the caller to add (fused with the next layer's norm)."""
+        ops, T = torch.ops.specserve, x.shape[0]
+        qkv = linear(h, self.qkv_w, self.qkv_b)
+        q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q, k, v = q.view(T, self.nq, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q = F.rms_norm(q, (self.hd,), self.q_norm, self.eps)
+            k = F.rms_norm(k, (self.hd,), self.k_norm, self.eps)
+        ops.rope_kv_write(q, k, v, cos, sin, fb.positions, k_cache, v_cache, fb.slot_mapping)
+        h = ops.add_rms_norm(x, linear(fused.attention(q, fb, k_cache, v_cache), self.o_w), self.post_norm, self.eps)
+        return linear(ops.silu_mul(linear(h, self.gate_up_w)), self.down_w)
 
 
 class LlamaModel(nn.Module):
@@ -148,6 +173,8 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run the decoder. Returns (final-normed hidden at fb.logits_index (all if None),
         [hidden after each layer in capture_layers, packed [T, H]])."""
+        if fused.enabled():
+            return self._forward_fused(fb, k_caches, v_caches, capture_layers)
         x = F.embedding(fb.input_ids, self.embed)
         cos = self.cos_table[fb.positions].unsqueeze(1)
         sin = self.sin_table[fb.positions].unsqueeze(1)
@@ -159,6 +186,25 @@ class LlamaModel(nn.Module):
         if fb.logits_index is not None:
             x = x[fb.logits_index]
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps), captured
+
+    def _forward_fused(self, fb: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                       capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        ops, eps = torch.ops.specserve, self.cfg.rms_norm_eps
+        x = F.embedding(fb.input_ids, self.embed)  # a fresh tensor: the residual stream, updated in place
+        h = ops.rms_norm(x, self.layers[0].input_norm, eps)
+        captured: list[torch.Tensor] = []
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            out = layer.forward_fused(x, h, fb, self.cos_table, self.sin_table, k_caches[i], v_caches[i])
+            if i + 1 < n:
+                h = ops.add_rms_norm(x, out, self.layers[i + 1].input_norm, eps)
+            else:
+                x.add_(out)
+            if i in capture_layers:
+                captured.append(x.clone())  # x keeps changing in place
+        if fb.logits_index is not None:
+            x = x[fb.logits_index]
+        return ops.rms_norm(x, self.norm, eps), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 (or fp64 for fp64 models): sampling math never runs in bf16."""

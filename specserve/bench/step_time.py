@@ -1,0 +1,122 @@
+"""`specserve bench step`: where the time of one target forward goes, at batch 1.
+
+For a decode step (1 new token) and a verify step (T new tokens, default 8) over a committed context,
+per mode (--dtype / --quantization, one mode per run): median wall time, and from one torch.profiler
+pass the self time of the ops by kind (matmuls, attention, norms/RoPE/glue), the time outside any op
+(Python and dispatch overhead: wall − Σ op self time) and the op count per step and per layer.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+from .common import record
+
+MATMUL = ("linear", "addmm", "mm", "bmm", "matmul", "_weight_int4pack_mm", "quant", "gemm", "_int_mm")
+ATTENTION = ("attention", "index_copy", "index", "softmax", "baddbmm", "_efficient", "flash", "rope_kv")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from ..config import add_engine_args
+
+    p.add_argument("model", nargs="?", default=None, help="target (default smollm2-135m)")
+    p.add_argument("--context", type=int, default=256, help="committed tokens before the step")
+    p.add_argument("--verify-tokens", type=int, default=8, help="T of the verify step")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--output", default=None, help="JSON result path (default bench/results/step-<time>.json)")
+    add_engine_args(p)
+
+
+def machine() -> dict:
+    """CPU model, the ISA flags that matter for our kernels, threads (the VM changes kind)."""
+    info = {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        text = open("/proc/cpuinfo").read()
+        info["cpu_model"] = next(ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name"))
+        flags = set(next(ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")))
+        info["flags"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    except (OSError, StopIteration):
+        pass
+    return info
+
+
+def _kind(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in MATMUL) and "attention" not in n:
+        return "matmul"
+    if any(k in n for k in ATTENTION):
+        return "attention"
+    return "glue"
+
+
+def _step(engine, n_new: int, ctx: int):  # noqa: ANN001, ANN202
+    pt: list[int] = []
+    engine.kv.ensure(pt, ctx + n_new)
+    runner = engine.runner
+    runner.forward([pt], [0], [[1] * ctx], [[ctx - 1]])  # fill the context once
+    fn = lambda: runner.forward([pt], [ctx], [[1] * n_new], [list(range(n_new))])  # noqa: E731
+    return fn, pt
+
+
+def measure(engine, n_new: int, ctx: int, repeats: int) -> dict:  # noqa: ANN001
+    fn, pt = _step(engine, n_new, ctx)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        fn()
+        wall_prof = time.perf_counter() - t
+    events = [e for e in prof.events() if e.name != "ProfilerStep*"]
+    by_kind: Counter[str] = Counter()
+    for e in events:
+        by_kind[_kind(e.name)] += e.self_cpu_time_total / 1000
+    op_self = sum(by_kind.values())
+    top = Counter(e.name for e in events).most_common(12)
+    engine.kv.release(pt)
+    layers = engine.model.cfg.num_layers
+    return {
+        "ms": statistics.median(times) * 1000,
+        "profiled_ms": wall_prof * 1000,
+        "self_ms": {k: round(v, 3) for k, v in by_kind.items()},
+        "outside_ops_ms": round(wall_prof * 1000 - op_self, 3),
+        "ops": len(events),
+        "ops_per_layer": round(len(events) / layers, 1),
+        "top_ops": top,
+    }
+
+
+def run(a: argparse.Namespace) -> dict:
+    from ..config import config_from_args
+    from ..engine.llm import LLM
+
+    a.speculative_algorithm = None
+    t0 = time.perf_counter()
+    engine = LLM.from_config(config_from_args(a, a.model)).engine
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fn, pt = _step(engine, 1, 16)
+    fn()
+    engine.kv.release(pt)
+    first_s = time.perf_counter() - t0
+    results = {"load_s": load_s, "first_forward_s": first_s, "machine": machine()}
+    for name, n in (("decode", 1), (f"verify{a.verify_tokens}", a.verify_tokens)):
+        r = measure(engine, n, a.context, a.repeats)
+        results[name] = r
+        print(f"{name:9s} {r['ms']:7.2f} ms  ops {r['ops']:5d} ({r['ops_per_layer']}/layer)  "
+              f"self {r['self_ms']}  outside ops {r['outside_ops_ms']} ms (profiled {r['profiled_ms']:.1f} ms)")
+    d, v = results["decode"]["ms"], results[f"verify{a.verify_tokens}"]["ms"]
+    results["verify_over_decode"] = v / d
+    print(f"t({a.verify_tokens})/t(1) = {v / d:.2f}; load {load_s:.1f} s, first forward {first_s:.2f} s; {results['machine']}")
+    print(f"wrote {record('step', a, results)}")
+    return results

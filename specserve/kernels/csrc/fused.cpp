@@ -1,0 +1,143 @@
+// Fused elementwise steps of the decoder layer: one op (one dispatch) where the pure-torch layer
+// takes several. Each row is computed alone in a fixed order (batch invariance); bf16 rounds at the
+// same points as the torch reference (RoPE is bit-identical to it in every dtype).
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+namespace {
+
+template <typename T> using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename T>
+void norm_row(const T* x, const T* w, T* y, int64_t n, double eps) {
+  using F = Acc<T>;
+  F lane[16] = {0};
+  for (int64_t i = 0; i < n; ++i) {
+    const F v = static_cast<F>(x[i]);
+    lane[i & 15] += v * v;
+  }
+  F ss = 0;
+  for (int l = 0; l < 16; ++l) ss += lane[l];
+  const F r = F(1) / std::sqrt(ss / static_cast<F>(n) + static_cast<F>(eps));
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<T>(static_cast<F>(x[i]) * r * static_cast<F>(w[i]));
+}
+
+// y = rms_norm(x) * w over the last dim of a [T, n] tensor.
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
+  at::Tensor x = x_.contiguous(), w = w_.contiguous(), y = at::empty_like(x);
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t *xd = x.data_ptr<scalar_t>(), *wd = w.data_ptr<scalar_t>();
+    scalar_t* yd = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) norm_row(xd + r * n, wd, yd + r * n, n, eps);
+    });
+  });
+  return y;
+}
+
+// x += delta (in place: the residual stream), then return rms_norm(x) * w.
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta_, const at::Tensor& w_, double eps) {
+  TORCH_CHECK(x.is_contiguous(), "add_rms_norm: residual must be contiguous");
+  at::Tensor d = delta_.contiguous(), w = w_.contiguous(), y = at::empty_like(x);
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    using F = Acc<scalar_t>;
+    scalar_t* xd = x.data_ptr<scalar_t>();
+    const scalar_t *dd = d.data_ptr<scalar_t>(), *wd = w.data_ptr<scalar_t>();
+    scalar_t* yd = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        scalar_t* xr = xd + r * n;
+        for (int64_t i = 0; i < n; ++i) xr[i] = static_cast<scalar_t>(static_cast<F>(xr[i]) + static_cast<F>(dd[r * n + i]));
+        norm_row(xr, wd, yd + r * n, n, eps);
+      }
+    });
+  });
+  return y;
+}
+
+// silu(gate) * up for gate_up = [gate | up] of shape [T, 2I] → [T, I].
+at::Tensor silu_mul(const at::Tensor& gu_) {
+  at::Tensor gu = gu_.contiguous();
+  const int64_t I = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * I, 1);
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  at::Tensor y = at::empty(sizes, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "silu_mul", [&] {
+    using F = Acc<scalar_t>;
+    const scalar_t* g = gu.data_ptr<scalar_t>();
+    scalar_t* yd = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r)
+        for (int64_t i = 0; i < I; ++i) {
+          const F x = static_cast<F>(g[r * 2 * I + i]);
+          const scalar_t s = static_cast<scalar_t>(x / (F(1) + std::exp(-x)));
+          yd[r * I + i] = static_cast<scalar_t>(static_cast<F>(s) * static_cast<F>(g[r * 2 * I + I + i]));
+        }
+    });
+  });
+  return y;
+}
+
+// Rotate-half RoPE of q (in place) and k, and write k, v into the KV pool at `slots`:
+// x·cos + rotate_half(x)·sin, rounded like the reference (each product, then the sum, in T).
+void rope_kv_write(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                   const at::Tensor& sin, const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const at::Tensor& slots_) {
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "rope_kv_write: head dim must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+              "rope_kv_write: contiguous tables and pool");
+  at::Tensor pos = positions.contiguous().to(at::kLong), slots = slots_.contiguous().to(at::kLong);
+  const int64_t T = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2), h2 = D / 2;
+  TORCH_CHECK(D <= 1024 && D % 2 == 0, "rope_kv_write: head dim must be even and <= 1024");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rope_kv_write", [&] {
+    using S = scalar_t;
+    using F = Acc<S>;
+    S* qd = q.data_ptr<S>();
+    const S *kd = k.data_ptr<S>(), *vd = v.data_ptr<S>(), *cd = cos.data_ptr<S>(), *sd = sin.data_ptr<S>();
+    S *kc = k_cache.data_ptr<S>(), *vc = v_cache.data_ptr<S>();
+    const int64_t *pd = pos.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
+    auto rot = [&](const S* x, S* y, const S* c, const S* s) {
+      for (int64_t i = 0; i < D; ++i) {
+        const F xr = i < h2 ? -static_cast<F>(x[i + h2]) : static_cast<F>(x[i - h2]);
+        const S a = static_cast<S>(static_cast<F>(x[i]) * static_cast<F>(c[i]));
+        const S b = static_cast<S>(static_cast<S>(xr) * static_cast<F>(s[i]));
+        y[i] = static_cast<S>(static_cast<F>(a) + static_cast<F>(b));
+      }
+    };
+    at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
+      S tmp[1024];
+      for (int64_t r = a; r < b; ++r) {
+        const S *c = cd + pd[r] * D, *s = sd + pd[r] * D;
+        for (int64_t h = 0; h < H; ++h) {
+          S* x = qd + r * q.stride(0) + h * q.stride(1);
+          rot(x, tmp, c, s);
+          std::copy(tmp, tmp + D, x);
+        }
+        for (int64_t h = 0; h < KVH; ++h) {
+          rot(kd + r * k.stride(0) + h * k.stride(1), kc + (sl[r] * KVH + h) * D, c, s);
+          std::copy(vd + r * v.stride(0) + h * v.stride(1), vd + r * v.stride(0) + h * v.stride(1) + D,
+                    vc + (sl[r] * KVH + h) * D);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
+  m.def("rope_kv_write(Tensor(a!) q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots) -> ()");
+  m.impl("rope_kv_write", c10::DispatchKey::CPU, &rope_kv_write);
+}

@@ -1,0 +1,149 @@
+"""The lean layer loop (specserve/models/fused.py, kernels/csrc/{attention,fused}.cpp) against the
+pure-torch reference: same results, ragged attention that computes no padded rows, batch invariance,
+NaN/Inf isolation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.cache.kv_pool import KVPool
+from specserve.engine.runner import ModelRunner
+from specserve.models import fused
+from specserve.models.forward_batch import build_forward_batch
+from specserve.models.llama import reference_attention
+from tests.tiny import tiny_model
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="C++ extension not buildable here")
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def _pool(dtype: torch.dtype, slots: int = 256, kvh: int = 2, hd: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(slots, kvh, hd, generator=g).to(dtype), torch.randn(slots, kvh, hd, generator=g).to(dtype)
+
+
+def _ragged(windows: list[int], ctx: list[int], **kw):
+    """Request b: committed ctx[b] tokens, a verify window of windows[b] drafts (k + 1 query rows),
+    slots of request b laid out at 40·b (so requests never share a slot)."""
+    toks = [[1] * (w + 1) for w in windows]
+    ctx_lists = [list(range(40 * b, 40 * b + c + w + 1)) for b, (c, w) in enumerate(zip(ctx, windows))]
+    return build_forward_batch(toks, ctx, [cl[c:] for cl, c in zip(ctx_lists, ctx)], ctx_lists, None, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["causal", "window", "block", "tree"])
+def test_attention_matches_reference(dtype: torch.dtype, kind: str) -> None:
+    windows, ctx = [0, 3, 7, 1, 5], [5, 9, 2, 30, 11]
+    kw = {"window": 4} if kind == "window" else {"causal": False} if kind == "block" else {}
+    if kind == "tree":
+        g = torch.Generator().manual_seed(1)
+        kw["masks"] = []
+        for w, c in zip(windows, ctx):
+            m = torch.rand(w + 1, c + w + 1, generator=g) < 0.6
+            m[torch.arange(w + 1), c + torch.arange(w + 1)] = True  # every row sees itself
+            kw["masks"].append(m)
+    fb = _ragged(windows, ctx, **kw)
+    kc, vc = _pool(dtype)
+    q = torch.randn(fb.num_tokens, 4, 16).to(dtype)
+    ref = reference_attention(q, fb, kc, vc)
+    out = fused.attention(q, fb, kc, vc)
+    torch.testing.assert_close(out.double(), ref.double(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_no_padded_rows_computed() -> None:
+    """Windows 0..7 (1..8 query rows) over contexts of different lengths: the op computes exactly
+    Σ rows × heads query rows and only the causally visible q·k products, never the padded rectangle."""
+    windows, ctx = list(range(8)), [3 * b + 2 for b in range(8)]
+    fb = _ragged(windows, ctx)
+    kc, vc = _pool(torch.float32, slots=400)
+    H, KVH = 4, 2
+    q = torch.randn(fb.num_tokens, H, 16)
+    fused.counters(reset=True)
+    fused.attention(q, fb, kc, vc)
+    rows, dots = fused.counters(reset=True)
+    assert rows == sum(w + 1 for w in windows) * H
+    visible = sum(c + i + 1 for c, w in zip(ctx, windows) for i in range(w + 1))  # row i sees positions ≤ c + i
+    assert dots == visible * H
+    padded_rows = len(windows) * (max(windows) + 1) * H
+    assert rows < padded_rows and dots < padded_rows * max(c + w + 1 for c, w in zip(ctx, windows))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_batch_invariant(dtype: torch.dtype) -> None:
+    """A request's rows are bit-identical alone, in a batch, and as a verify row vs a decode row."""
+    windows, ctx = [2, 7, 0, 4], [6, 3, 12, 8]
+    kc, vc = _pool(dtype)
+    fb = _ragged(windows, ctx)
+    q = torch.randn(fb.num_tokens, 4, 16).to(dtype)
+    together = fused.attention(q, fb, kc, vc)
+    starts = fb.q_start.tolist()
+    for b, (w, c) in enumerate(zip(windows, ctx)):
+        cl = list(range(40 * b, 40 * b + c + w + 1))
+        alone = build_forward_batch([[1] * (w + 1)], [c], [cl[c:]], [cl], None)
+        qb = q[starts[b]: starts[b + 1]]
+        assert torch.equal(fused.attention(qb, alone, kc, vc), together[starts[b]: starts[b + 1]])
+        for i in range(w + 1):  # row i of the window == decode of position c + i
+            dec = build_forward_batch([[1]], [c + i], [[cl[c + i]]], [cl[: c + i + 1]], None)
+            assert torch.equal(fused.attention(qb[i: i + 1], dec, kc, vc)[0], together[starts[b] + i])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_attention_isolates_bad_kv(bad: float) -> None:
+    """Request 1's K/V rows poisoned: the other requests' outputs are unchanged and finite."""
+    windows, ctx = [3, 2, 5], [4, 7, 6]
+    fb = _ragged(windows, ctx)
+    kc, vc = _pool(torch.float32)
+    q = torch.randn(fb.num_tokens, 4, 16)
+    clean = fused.attention(q, fb, kc, vc)
+    kc[40:52], vc[40:52] = bad, bad
+    out = fused.attention(q, fb, kc, vc)
+    s = fb.q_start.tolist()
+    for b in (0, 2):
+        assert torch.equal(out[s[b]: s[b + 1]], clean[s[b]: s[b + 1]])
+
+
+def _logits(model, pool, tables, starts, tokens):  # noqa: ANN001, ANN202
+    return ModelRunner(model, pool).forward(tables, starts, tokens, [list(range(len(t))) for t in tokens])[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_model_fused_matches_reference(arch: str, dtype: torch.dtype) -> None:
+    model = tiny_model(arch).to(dtype)
+    model.dtype = dtype
+    prompts = [[3, 5, 7, 11, 13], [2, 4], [9] * 9]
+    outs = []
+    for use_fused in (True, False):
+        pool = KVPool(model.cfg, 16, 8, dtype)
+        tables = [[] for _ in prompts]
+        for t, p in zip(tables, prompts):
+            pool.ensure(t, len(p) + 4)
+        with fused.reference_layers() if not use_fused else _null():
+            first = _logits(model, pool, tables, [0] * 3, prompts)
+            second = _logits(model, pool, tables, [len(p) for p in prompts], [[1, 2, 3], [4], [5, 6]])
+        outs.append(first + second)
+    tol = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 0.25}[dtype]
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a.double(), b.double(), atol=tol, rtol=tol)
+
+
+def test_model_fused_row_invariant() -> None:
+    """fp32 model, fused path: a verify window's logits equal the decode of each position alone."""
+    model = tiny_model(dtype=torch.float32)
+    pool = KVPool(model.cfg, 16, 8, torch.float32)
+    t: list[int] = []
+    pool.ensure(t, 20)
+    prompt, window = [3, 5, 7, 11, 13], [17, 19, 23, 29]
+    _logits(model, pool, [t], [0], [prompt])
+    verify = _logits(model, pool, [t], [len(prompt)], [window])[0]
+    for i, tok in enumerate(window):
+        dec = _logits(model, pool, [t], [len(prompt) + i], [[tok]])[0]
+        torch.testing.assert_close(dec[0], verify[i], atol=1e-5, rtol=1e-5)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None

@@ -77,7 +77,8 @@ def chain_loss(net: ChainNet, seq: Sequence, t2d: torch.Tensor, steps: int, deca
 
 
 def block_loss(net: DFlashNet, seq: Sequence, t2d: torch.Tensor, num_anchors: int, gamma: float,
-               gen: torch.Generator, offpath: float = 0.0) -> tuple[torch.Tensor, dict]:
+               gen: torch.Generator, offpath: float = 0.0, anchors: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, dict]:
     """DFlash/DSpark: random anchors s (response positions); block [x_s, MASK × (B − 1)] at positions
     s.., seeing context features of positions < s and its own block (bidirectional). Offset k is
     weighted exp(−(k − 1)/γ). DSpark's transition term is fed the text token at k − 1 (on the greedy
@@ -86,7 +87,8 @@ def block_loss(net: DFlashNet, seq: Sequence, t2d: torch.Tensor, num_anchors: in
     cand = torch.nonzero(seq.loss_mask[1:]).squeeze(1)  # anchors whose next token is a response token
     if len(cand) == 0:
         return net.fc.weight.new_zeros(()), {"acc": [float("nan")] * (B - 1), "tau": float("nan")}
-    anchors = cand[torch.randperm(len(cand), generator=gen)[:num_anchors]].sort().values
+    if anchors is None:  # else: given (tests)
+        anchors = cand[torch.randperm(len(cand), generator=gen)[:num_anchors]].sort().values
     N = len(anchors)
     offs = torch.arange(B)
     pos = anchors[:, None] + offs[None, :]  # [N, B]

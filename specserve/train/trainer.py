@@ -96,6 +96,16 @@ def draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
     return counts.topk(size).indices.sort().values
 
 
+def coverage(in_vocab: torch.Tensor, counts: torch.Tensor, heldout: list[dict]) -> dict[str, float]:
+    """Share of the target's tokens inside the draft vocabulary: on the training labels, and on the
+    held-out greedy answers per domain (a token outside can never be drafted)."""
+    out = {"train": round(float(counts[in_vocab].sum() / counts.sum().clamp(min=1)), 4)}
+    for d in sorted({r.get("domain", "heldout") for r in heldout}):
+        toks = torch.tensor([t for r in heldout if r.get("domain", "heldout") == d for t in r["response_ids"]], dtype=torch.long)
+        out[d] = round(float(in_vocab[toks].float().mean()), 4) if len(toks) else float("nan")
+    return out
+
+
 def init_from_target(net: DraftNet, target) -> None:  # noqa: ANN001
     """Start where the target is: its LM head rows for EAGLE-3's own head, the mean embedding as MASK."""
     with torch.no_grad():
@@ -170,6 +180,8 @@ def run(a: argparse.Namespace) -> Path:
     init_from_target(net, target)
     t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
     t2d[net.draft_ids] = torch.arange(cfg.draft_vocab_size)
+    source["vocab_coverage"] = coverage(t2d >= 0, counts, eval_recs)
+    print(f"draft vocabulary {cfg.draft_vocab_size}: coverage {source['vocab_coverage']}", flush=True)
     data_tokens = (lambda: data.tokens) if a.data == "prefill" else (lambda: sum(len(s.ids) for s in seqs))
     last = train(a, net, t2d, stream, ckpt, log_path, heldout, data_tokens)
     return _finish(a, net, cfg, source, eval_recs, last, heldout)

@@ -15,7 +15,7 @@ case "$1" in
               --stage train --steps 600 --batch-tokens 8192 --num-anchors 96 --lr 1e-3 --draft-vocab-size 16384 \
               --block-size 8 --gamma 4 --checkpoint-minutes 10 --checkpoint-every 1000000 ;;
   eagle3)   exec nice -n 19 "$PY" -m specserve.cli train-drafter --algorithm eagle3 --out "$WORK/out/eagle3" "${COMMON[@]}" \
-              --stage train --steps 600 --batch-tokens 8192 --lr 1e-3 --draft-vocab-size 8192 --ttt-steps 4 \
+              --stage train --steps 600 --batch-tokens 8192 --lr 1e-3 --draft-vocab-size 8192 --ttt-steps 4 --freeze-head \
               --checkpoint-minutes 10 --checkpoint-every 1000000 ;;
   *) echo "usage: $0 features|dspark|eagle3" >&2; exit 2 ;;
 esac

@@ -70,8 +70,11 @@ def heldout_set(a: argparse.Namespace, tok, work: Path) -> list[dict]:  # noqa: 
     path = work / f"heldout-{precision(a)}.jsonl"
     if path.exists():
         recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if recs and all(len(r["response_ids"]) >= min(a.eval_tokens, len(r["response_ids"])) for r in recs):
-            return recs
+        per: dict[str, int] = {}
+        for r in recs:
+            per[r["domain"]] = per.get(r["domain"], 0) + 1
+        if recs and max(per.values()) == a.heldout_per_domain and max(len(r["response_ids"]) for r in recs) == a.eval_tokens:
+            return recs  # made for this --heldout-per-domain and --eval-tokens
     from ..engine.llm import LLM
 
     prompts = heldout_prompts(tok, a.heldout_per_domain, a.max_prompt_tokens, a.seed)

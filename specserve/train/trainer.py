@@ -73,6 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offpath-weight", type=float, default=0.0,
                    help="loss weight of draft positions serving never reaches at T=0 (an earlier input of the "
                         "block/chain disagrees with the target's greedy token); 0 drops them")
+    p.add_argument("--freeze-head", action="store_true",
+                   help="EAGLE-3: keep its head at the target's LM-head rows (frozen): half the trainable weights")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="--eval-only: draft tokens per round (default: block size - 1, chains 4)")
     p.add_argument("--eval-prompts", type=int, default=16)
@@ -178,6 +180,10 @@ def run(a: argparse.Namespace) -> Path:
     net.set_draft_vocab(draft_vocab(counts, cfg.draft_vocab_size))
     net.bind(target)
     init_from_target(net, target)
+    if a.freeze_head:
+        if not isinstance(getattr(net, "head", None), torch.nn.Linear):
+            raise ValueError(f"--freeze-head: {a.algorithm} has no head of its own (it already shares the target's)")
+        net.head.weight.requires_grad_(False)
     t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
     t2d[net.draft_ids] = torch.arange(cfg.draft_vocab_size)
     source["vocab_coverage"] = coverage(t2d >= 0, counts, eval_recs)

@@ -14,7 +14,7 @@ from specserve.train.accept_eval import teacher_forced_meta
 from specserve.train.corpus import _conversation, _shingles, _words, is_contaminated
 from specserve.train.data import Sequence
 from specserve.train.shards import Labeler, ShardSet, epochs, extract
-from tests.drafter_setup import ALGOS, _spec_llm
+from tests.drafter_setup import _spec_llm
 from tests.tiny import reference_greedy, tiny_model
 
 META = ("spec_verify_ct", "spec_accepted_tokens", "spec_draft_tokens", "spec_accepted_per_pos")

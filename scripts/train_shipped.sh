@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-$HOME/.cache/specserve/train/smollm2-135m}
 OUT=specserve/drafters/shipped
-COMMON=(--target smollm2-135m --work-dir "$WORK" --num-prompts 880 --max-len 640 --batch-tokens 2048 --threads "${THREADS:-1}")
+COMMON=(--data regen --target smollm2-135m --work-dir "$WORK" --num-prompts 880 --max-len 640 --batch-tokens 2048 --threads "${THREADS:-1}")
 case "${1:-all}" in
   dspark|all) .venv/bin/specserve train-drafter --algorithm dspark --out $OUT/smollm2-135m-dspark "${COMMON[@]}" \
                 --draft-vocab-size 16384 --block-size 8 --num-anchors 64 --gamma 4 --lr 1e-3 --steps 900 ;;&

@@ -47,7 +47,7 @@ def train_all(tmp: Path) -> dict:
     for algo in ALGOS:
         arts[algo] = tmp / algo
         train(build_parser().parse_args([
-            "train-drafter", "--target", tdir, "--algorithm", algo, "--out", str(arts[algo]), "--work-dir", str(work),
+            "train-drafter", "--data", "regen", "--target", tdir, "--algorithm", algo, "--out", str(arts[algo]), "--work-dir", str(work),
             "--num-prompts", "48", "--steps", "40", "--batch-tokens", "256", "--lr", "3e-3", "--eval-prompts", "4",
             "--eval-tokens", "24", "--draft-vocab-size", "64" if algo != "mtp" else "97", "--checkpoint-every", "20"]))
     return {"target": tdir, "work": work, "artifacts": arts}

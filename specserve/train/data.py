@@ -12,7 +12,6 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -31,6 +30,13 @@ class Sequence:
     ids: torch.Tensor  # [S] int64: prompt + response
     loss_mask: torch.Tensor  # [S] bool: True on response tokens
     feats: torch.Tensor | None = None  # [S, n_aux, H] target hidden states after each aux layer
+    labels: torch.Tensor | None = None  # [S] the target's greedy token for each position (−1 at 0); None: = ids
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """What verification accepts at each position: the target's labels, or the ids themselves
+        when the text is the target's own greedy output (regenerated responses)."""
+        return self.ids if self.labels is None else self.labels
 
 
 def regenerate(llm, convs: list[Messages], out: Path, max_new_tokens: int, max_prompt_tokens: int,  # noqa: ANN001
@@ -115,16 +121,3 @@ def with_features(seqs: list[Sequence], capture: FeatureCapture, cache: Path | N
     if cache is not None:
         torch.save({"aux": list(capture.aux), "feats": feats}, cache)
     return seqs
-
-
-def batches(seqs: list[Sequence], tokens_per_batch: int, gen: torch.Generator) -> Iterator[list[Sequence]]:
-    """Shuffled batches of whole sequences holding about `tokens_per_batch` tokens, forever."""
-    while True:
-        order = torch.randperm(len(seqs), generator=gen).tolist()
-        batch, n = [], 0
-        for i in order:
-            batch.append(seqs[i])
-            n += len(seqs[i].ids)
-            if n >= tokens_per_batch:
-                yield batch
-                batch, n = [], 0

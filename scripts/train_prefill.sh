@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The prefill-data drafter runs for SmolLM2-135M-Instruct (docs/training.md, "Prefill data"): one feature
+# pass labels whole ShareGPT conversations into fp16 shards; DSpark and EAGLE-3 train on the shards
+# that exist (picking up new ones each epoch). Every stage resumes where it stopped: rerun the same line.
+#   scripts/train_prefill.sh features|dspark|eagle3      (each in the background: nohup ... &)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+WORK=${WORK:-/work/train-data/smollm2}
+COMMON=(--target smollm2-135m --work-dir "$WORK" --max-len 1024 --threads "${THREADS:-1}")
+case "$1" in
+  features) exec nice -n 19 "$PY" -m specserve.cli train-drafter --algorithm dspark --out "$WORK/unused" "${COMMON[@]}" \
+              --stage features --feature-tokens 2000000 --shard-tokens 16384 ;;
+  dspark)   exec nice -n 19 "$PY" -m specserve.cli train-drafter --algorithm dspark --out "$WORK/out/dspark" "${COMMON[@]}" \
+              --stage train --steps 600 --batch-tokens 8192 --num-anchors 96 --lr 1e-3 --draft-vocab-size 16384 \
+              --block-size 8 --gamma 4 --checkpoint-minutes 10 --checkpoint-every 1000000 ;;
+  eagle3)   exec nice -n 19 "$PY" -m specserve.cli train-drafter --algorithm eagle3 --out "$WORK/out/eagle3" "${COMMON[@]}" \
+              --stage train --steps 600 --batch-tokens 8192 --lr 1e-3 --draft-vocab-size 8192 --ttt-steps 4 --freeze-head \
+              --checkpoint-minutes 10 --checkpoint-every 1000000 ;;
+  *) echo "usage: $0 features|dspark|eagle3" >&2; exit 2 ;;
+esac

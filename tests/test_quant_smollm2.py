@@ -37,19 +37,12 @@ def test_w4a8_head_and_layers_keep_the_files_blocks(w4a8: LLM) -> None:
     assert m.layers[0].qkv_w.bits == 4 and m.lm_head.bits == 8  # Q4_1 layers, Q8_0 tied head
 
 
-@pytest.mark.xfail(strict=True, reason="the fp32 attention (F.scaled_dot_product_attention over padded, masked "
-                   "batches vs a plain view alone) differs from the single-request path by ~1 ulp, which the int8 "
-                   "activation rounding amplifies; the quantized GEMMs themselves are row-invariant "
-                   "(test_quant_kernels). Remove this mark once the paged-attention op is row-invariant.")
 def test_w4a8_batch_invariant(w4a8: LLM) -> None:
     together = [o.token_ids for o in w4a8.generate(PROMPTS, SP)]
     alone = [w4a8.generate([p], SP)[0].token_ids for p in PROMPTS]
     assert together == alone
 
 
-@pytest.mark.xfail(strict=True, reason="attention over a verify window (q_len k+1) differs by ~1 ulp from decode "
-                   "(q_len 1) in F.scaled_dot_product_attention; the int8 rounding amplifies it. The GEMMs are "
-                   "row-invariant. Remove this mark once the paged-attention op is row-invariant.")
 def test_w4a8_speculation_lossless_one_request(w4a8: LLM) -> None:
     m = w4a8.engine.model
     spec = LLM.from_model(m, tokenizer=w4a8.engine.tokenizer, speculative_algorithm="NGRAM",

@@ -27,8 +27,9 @@ META = ("spec_verify_ct", "spec_accepted_tokens", "spec_draft_tokens", "spec_acc
 ])
 def test_teacher_forced_tau_equals_engine(trained: dict, algo: str, opts: dict) -> None:
     """One prefill over prompt + greedy output and drafts from every anchor reproduce the engine's
-    acceptance counters request by request (length- and stop-token-terminated requests)."""
-    llm = _spec_llm(trained, algo, **opts)
+    acceptance counters request by request (length- and stop-token-terminated requests). The evaluator
+    replays the fixed window policy (DSPARK's default is confidence windows): pin it."""
+    llm = _spec_llm(trained, algo, speculative_window="fixed", **opts)
     rng = random.Random(3)
     prompts = [[rng.randrange(97) for _ in range(rng.randint(2, 20))] for _ in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(5, 40)) for _ in prompts]

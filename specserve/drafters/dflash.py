@@ -106,7 +106,7 @@ class BlockDrafter(LearnedDrafter):
             self.trim(st)
 
     @torch.no_grad()
-    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+    def _propose(self, reqs: list[Request], window: list[int]) -> Proposal:
         B = self.net.cfg.block_size
         active = []
         for b, (req, w) in enumerate(zip(reqs, window)):

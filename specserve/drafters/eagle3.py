@@ -135,7 +135,7 @@ class ChainDrafter(LearnedDrafter):
         return active, o[torch.tensor([len(t) for t in toks]).cumsum(0) - 1]
 
     @torch.no_grad()
-    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+    def _propose(self, reqs: list[Request], window: list[int]) -> Proposal:
         if self.topk > 1:
             return draft_tree(self, reqs, window)
         active, o = self.root_rows(reqs, window, lambda w: w - 1)

@@ -12,13 +12,14 @@ With --speculative-draft-attention-window W a draft round reads only the last W 
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..cache.kv_pool import KVPool
-from ..core import Request
+from ..core import Proposal, Request
 from ..engine.sampling import sample, target_logits
 from .base import Drafter
 from .context import DrafterContext
@@ -65,6 +66,28 @@ class LearnedDrafter(Drafter):
 
     def _new_state(self) -> FeatState:
         return FeatState()
+
+    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+        """NOTE: retry-safe. A batched propose that raises is retried one request at a time
+        (engine/isolate.py), but its catch-up may already have consumed pending features and
+        advanced `done` and drawn draft samples from the requests' generators before the failure: all
+        are restored, so the retry rebuilds the same rows (rewriting draft KV slots with the values they
+        already hold) and a neighbour's seeded drafts are the ones it draws alone."""
+        saved = {r.request_id: (st.done, list(st.pending)) for r in reqs if (st := self.state.get(r.request_id))}
+        rng = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
+        try:
+            return self._propose(reqs, window)
+        except Exception:
+            for rid, (done, pending) in saved.items():
+                if rid in self.state:
+                    self.state[rid].done, self.state[rid].pending = done, pending
+            for gen, state in rng:
+                gen.set_state(state)
+            raise
+
+    @abstractmethod
+    def _propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+        """The runtime's drafting (chain or block), free to consume pending features."""
 
     def _st(self, req: Request) -> FeatState:
         st = self.state.get(req.request_id)
@@ -120,4 +143,6 @@ class LearnedDrafter(Drafter):
         full[ids] = logits.to(dt)  # q is 0 outside the draft vocabulary
         x = target_logits(full[None], req.params, req.prompt_ids, req.output_ids + drafts, [])[0]
         q = torch.softmax(x, dim=-1)
+        if not bool(torch.isfinite(q).all()):  # NOTE: raised, not sampled: the engine fails this request alone
+            raise FloatingPointError("draft distribution contains NaN/Inf (non-finite target features or draft weights)")
         return sample(q, req.generator), q

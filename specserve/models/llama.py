@@ -173,7 +173,9 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run the decoder. Returns (final-normed hidden at fb.logits_index (all if None),
         [hidden after each layer in capture_layers, packed [T, H]])."""
-        if fused.enabled():
+        # NOTE: the fused loop never calls a layer module, so layers with forward hooks (tests that
+        # poison one request's hidden rows, debugging) run the reference loop
+        if fused.enabled() and not any(layer._forward_hooks for layer in self.layers):
             return self._forward_fused(fb, k_caches, v_caches, capture_layers)
         x = F.embedding(fb.input_ids, self.embed)
         cos = self.cos_table[fb.positions].unsqueeze(1)

@@ -24,13 +24,15 @@ def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, unset: A
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = _f("smollm2-135m", "model: an HF checkpoint dir, a .gguf file, or an alias (smollm2-135m)")
-    dtype: str = _f("auto", "weights/activations dtype (auto = float32: exact and fastest on CPU here)",
+    dtype: str = _f("auto", "weights/activations dtype (auto = float32, bf16 under int4; with auto a "
+                    "quantized GGUF is served quantized: see --quantization; float32 = exact fp32)",
                     ("auto", "float32", "bfloat16", "float64"))
-    quantization: str | None = _f(None, "quantized linear layers (not bit-equal to float32): w4a8 = 4-bit weight "
+    quantization: str | None = _f(None, "quantized linear layers (not bit-equal to float32; default: w4a8 for a GGUF "
+                                  "stored in 4-bit blocks, w8a8 for Q8_0, when --dtype is auto; none = unquantized): w4a8 = 4-bit weight "
                                   "blocks of 32 (a GGUF's own Q4_0/Q4_1/Q4_K/Q8_0 blocks kept exactly) x int8 "
                                   "activations per block of 32, our VNNI kernel (rows independent), float32 elsewhere; "
                                   "w8a8 = the same with 8-bit weights; int4 = torch's weight-only 4-bit kernel",
-                                  ("int4", "w4a8", "w8a8"))
+                                  ("int4", "w4a8", "w8a8", "none"))
     kv_cache_memory: str = _f("1GiB", "KV pool budget: a size (2GiB, 512MB) or a fraction of RAM (0.2)")
     page_size: int = _f(16, "tokens per KV page")
     max_model_len: int | None = _f(None, "max prompt + output tokens (default: the model's context)")

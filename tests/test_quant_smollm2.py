@@ -56,3 +56,18 @@ def test_w4a8_agrees_with_fp32_teacher_forced(w4a8: LLM) -> None:
     ids = held_out_text(tok, 256)
     r = compare(teacher_forced_logits(fp32, ids), teacher_forced_logits(w4a8.engine.model, ids), ids)
     assert r["agreement"] >= 0.94, r
+
+
+def test_quantized_gguf_is_served_w4a8_by_default(tmp_path) -> None:  # noqa: ANN001
+    from specserve.models import default_quantization
+    from tests.tiny import save_tiny_hf_dir, tiny_config, tiny_state_dict
+
+    assert default_quantization("smollm2-135m", "auto", None) == "w4a8"  # Q4_1 projections
+    assert default_quantization("smollm2-135m", "float32", None) is None  # an explicit dtype: exact float
+    assert default_quantization("smollm2-135m", "auto", "none") is None
+    assert default_quantization("smollm2-135m", "auto", "int4") == "int4"
+    cfg = tiny_config("llama")
+    assert default_quantization(str(save_tiny_hf_dir(cfg, tiny_state_dict(cfg), tmp_path / "hf")), "auto", None) is None
+    llm = LLM("smollm2-135m", speculative_algorithm="NONE")  # what `serve`/`generate`/`LLM(...)` get
+    assert llm.config.quantization == "w4a8" and isinstance(llm.engine.model.layers[0].qkv_w, BlockQuantWeight)
+    assert LLM("smollm2-135m", dtype="float32", speculative_algorithm="NONE").config.quantization is None

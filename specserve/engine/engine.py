@@ -18,6 +18,7 @@ import itertools
 import logging
 import random
 import time
+from dataclasses import replace
 
 import torch
 
@@ -26,7 +27,7 @@ from ..config import EngineConfig
 from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status
 from ..drafters.base import Drafter, create_drafter
 from ..drafters.context import DrafterContext, KVBudget
-from ..models import LlamaModel, build_model, resolve_dtype
+from ..models import LlamaModel, build_model, default_quantization, resolve_dtype
 from ..models.config import ModelConfig
 from ..spec.accept import accept_request
 from ..spec.commit import AdvanceKV, CommitStage, Committed, DraftState, Emit, KeepPath
@@ -45,6 +46,9 @@ class Engine:
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer=None) -> None:  # noqa: ANN001
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        # NOTE: made concrete first: the drafter, the cost curve's cache key and meta read config.quantization
+        config = replace(config, quantization=None if model is not None and config.quantization in (None, "none")
+                         else default_quantization(config.model, config.dtype, config.quantization))
         if model is None:
             model, tokenizer = build_model(config.model, resolve_dtype(config.dtype, config.quantization),
                                            config.quantization)

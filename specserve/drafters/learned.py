@@ -70,19 +70,15 @@ class LearnedDrafter(Drafter):
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
         """NOTE: retry-safe. A batched propose that raises is retried one request at a time
         (engine/isolate.py), but its catch-up may already have consumed pending features and
-        advanced `done` and drawn draft samples from the requests' generators before the failure: all
-        are restored, so the retry rebuilds the same rows (rewriting draft KV slots with the values they
-        already hold) and a neighbour's seeded drafts are the ones it draws alone."""
+        advanced `done` before the failure: both are restored, so the retry rebuilds the same rows
+        (rewriting draft KV slots with the values they already hold). The engine restores generators."""
         saved = {r.request_id: (st.done, list(st.pending)) for r in reqs if (st := self.state.get(r.request_id))}
-        rng = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
         try:
             return self._propose(reqs, window)
         except Exception:
             for rid, (done, pending) in saved.items():
                 if rid in self.state:
                     self.state[rid].done, self.state[rid].pending = done, pending
-            for gen, state in rng:
-                gen.set_state(state)
             raise
 
     @abstractmethod

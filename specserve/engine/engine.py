@@ -181,8 +181,7 @@ class Engine:
         windows = self.policy.plan(reqs, [self._limit(r) for r in reqs])
         proposal = Proposal.empty(len(reqs))
         if self.drafter is not None and any(windows):
-            done = isolate(lambda it: self.drafter.propose([r for r, _ in it], [w for _, w in it]).split(),
-                           list(zip(reqs, windows)), lambda it, e: self._fail_exc(it[0], "draft", e))
+            done = isolate(self._propose, list(zip(reqs, windows)), lambda it, e: self._fail_exc(it[0], "draft", e))
             reqs, windows = [r for (r, _), _ in done], [w for (_, w), _ in done]
             proposal = Proposal.join([p for _, p in done]) if done else Proposal.empty(0)
         drafted = sum(1 for d in proposal.tokens if d)
@@ -191,6 +190,17 @@ class Engine:
             r.spec_decode_steps += 1
             self.stats.record_window(len(d))
         return reqs, proposal, drafted
+
+    def _propose(self, items: list[tuple[Request, int]]) -> list[Proposal]:
+        """One propose over `items`, retry-safe: a raising batch leaves every request's generator as it
+        was, so a seeded neighbour retried alone draws the drafts it draws alone."""
+        rng = [(r.generator, r.generator.get_state()) for r, _ in items if r.generator is not None]
+        try:
+            return self.drafter.propose([r for r, _ in items], [w for _, w in items]).split()
+        except Exception:
+            for gen, state in rng:
+                gen.set_state(state)
+            raise
 
     def _verify(self, reqs: list[Request], proposal: Proposal
                 ) -> tuple[list[Request], Proposal, list[torch.Tensor], list[torch.Tensor | None]]:

@@ -7,12 +7,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 WORK=${WORK:-/work/train-data/smollm2}
-COMMON=(--target smollm2-135m --work-dir "$WORK" --max-len 1024 --threads "${THREADS:-1}")
+# Labels in w4a8: the precision the default `serve` verifies in (models.default_quantization).
+COMMON=(--target smollm2-135m --work-dir "$WORK" --max-len 768 --label-quantization w4a8 --threads "${THREADS:-1}")
 case "$1" in
   features) exec nice -n 19 "$PY" -m specserve.cli train-drafter --algorithm dspark --out "$WORK/unused" "${COMMON[@]}" \
-              --stage features --feature-tokens 2000000 --shard-tokens 16384 ;;
+              --stage features --feature-tokens 1500000 --shard-tokens 16384 ;;
   dspark)   exec nice -n 19 "$PY" -m specserve.cli train-drafter --algorithm dspark --out "$WORK/out/dspark" "${COMMON[@]}" \
-              --stage train --steps 600 --batch-tokens 8192 --num-anchors 96 --lr 1e-3 --draft-vocab-size 16384 \
+              --stage train --steps 280 --batch-tokens 8192 --num-anchors 96 --lr 1e-3 --draft-vocab-size 16384 \
               --block-size 8 --gamma 4 --checkpoint-minutes 10 --checkpoint-every 1000000 ;;
   eagle3)   exec nice -n 19 "$PY" -m specserve.cli train-drafter --algorithm eagle3 --out "$WORK/out/eagle3" "${COMMON[@]}" \
               --stage train --steps 600 --batch-tokens 8192 --lr 1e-3 --draft-vocab-size 8192 --ttt-steps 4 --freeze-head \

@@ -40,6 +40,12 @@ class EngineConfig:
     max_running_requests: int = _f(64, "max requests decoding at once")
     seed: int = _f(0, "engine seed; unseeded requests draw their seeds from it")
     num_threads: int | None = _f(None, "torch intra-op threads (default: torch's choice)")
+    grammar_backend: str = _f("llguidance", "structured output backend (response_format json_object/json_schema, "
+                              "json_schema, regex, ebnf): llguidance, or xgrammar (pip install 'specserve[xgrammar]')",
+                              ("llguidance", "xgrammar"))
+    grammar_forced_drafts: int = _f(8, "structured output: where the grammar allows exactly one continuation, propose "
+                                    "up to this many of its forced tokens as drafts (verified like any draft, also "
+                                    "without a drafter); 0 = off")
     speculative_algorithm: str | None = _f(None, "drafter: NGRAM, STANDALONE, EAGLE3 (EAGLE), MTP (NEXTN), DFLASH, "
                                            "DSPARK, SYNTHETIC (tests/benchmarks only); NONE = plain decoding; AUTO = the drafter shipped for "
                                            "the target (DSPARK) if any (the default of serve/generate/chat)")
@@ -96,7 +102,7 @@ class EngineConfig:
                      "speculative_draft_attention_window"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
-        ranges = {"speculative_num_draft_tokens": (0, 64), "speculative_num_steps": (1, 32),
+        ranges = {"grammar_forced_drafts": (0, 64), "speculative_num_draft_tokens": (0, 64), "speculative_num_steps": (1, 32),
                   "speculative_eagle_topk": (1, 16), "speculative_lattice_topk": (0, 64),
                   "speculative_confidence_threshold": (0.0, 1.0), "speculative_synthetic_accept_rate": (0.0, 1.0)}
         for name, (lo, hi) in ranges.items():

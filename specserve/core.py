@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,11 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # None = off; k ≥ 0 = logprob of the chosen token plus top-k alternatives
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI: {"type": "text" | "json_object" | "json_schema", ...}
+    # SGLang-style structured output (at most one grammar per request, response_format included)
+    json_schema: str | None = None  # a JSON schema as JSON text (a dict is serialized)
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF: `root ::= ...`
 
     def __post_init__(self) -> None:
         # Accept a single string or lists from callers; store tuples (hashable, frozen).
@@ -37,6 +42,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
 
     @property
     def greedy(self) -> bool:
@@ -77,8 +84,38 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", f"token id {t!r} out of range [0, {vocab_size})")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            bad("response_format", "structured output (json_object / json_schema) is not supported yet")
+        self._validate_grammar(bad)
+
+    def _validate_grammar(self, bad: Any) -> None:  # noqa: ANN401
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text") if isinstance(rf, dict) else None
+            if kind not in ("text", "json_object", "json_schema"):
+                bad("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
+            if kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+                    bad("response_format", "json_schema must be an object with a 'schema' object")
+        given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        if rf is not None and rf.get("type", "text") != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            bad(given[1], f"only one of response_format, json_schema, regex, ebnf per request (got {', '.join(given)})")
+        for n in ("json_schema", "regex", "ebnf"):
+            v = getattr(self, n)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                bad(n, "must be a non-empty string")
+        if self.json_schema is not None:
+            try:
+                json.loads(self.json_schema)
+            except ValueError as e:
+                bad("json_schema", f"not valid JSON: {e}")
+
+    @property
+    def has_grammar(self) -> bool:
+        rf = self.response_format
+        return (rf is not None and rf.get("type", "text") != "text") or any(
+            getattr(self, n) is not None for n in ("json_schema", "regex", "ebnf"))
 
 
 class Status(enum.Enum):
@@ -103,6 +140,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None  # None for greedy: greedy rows draw no random numbers
+    grammar: Any = None  # grammar.Matcher of structured output (None = unconstrained); advanced only by Emit
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)

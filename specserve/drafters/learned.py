@@ -20,7 +20,7 @@ import torch
 
 from ..cache.kv_pool import KVPool
 from ..core import Proposal, Request
-from ..engine.sampling import sample, target_logits
+from ..engine.sampling import grammar_allowed, sample, target_logits
 from .base import Drafter
 from .context import DrafterContext
 from .nets import DraftNet
@@ -130,13 +130,24 @@ class LearnedDrafter(Drafter):
 
     def _choose(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
         """One draft token from draft-vocabulary logits [V_d], processed as the target processes its
-        row (penalties, temperature, top-k/p, min-p) so that q is the distribution it was drawn from."""
+        row (grammar mask, penalties, temperature, top-k/p, min-p) so that q is the distribution it was
+        drawn from. Under a grammar that allows nothing in the draft vocabulary, the draft is drawn
+        uniformly from what it allows (a valid draft with its true q, likely rejected)."""
         ids = self.net.draft_ids
-        if req.params.greedy or self.greedy_draft:
-            return int(ids[int(logits.argmax())]), None  # deterministic: verified one-hot
+        allowed = grammar_allowed(req, drafts)
+        ok = None if allowed is None or not bool(allowed.any()) else allowed[ids]
+        if req.params.greedy or self.greedy_draft:  # deterministic: verified one-hot
+            if ok is None:
+                return int(ids[int(logits.argmax())]), None
+            if not bool(ok.any()):
+                return int(allowed.nonzero()[0]), None
+            return int(ids[int(logits.masked_fill(~ok, float("-inf")).argmax())]), None
         dt = torch.promote_types(logits.dtype, torch.float32)
         full = logits.new_full((self.vocab,), float("-inf"), dtype=dt)
         full[ids] = logits.to(dt)  # q is 0 outside the draft vocabulary
+        if ok is not None:
+            full = full.masked_fill(~allowed, float("-inf")) if bool(ok.any()) else \
+                torch.zeros_like(full).masked_fill(~allowed, float("-inf"))
         x = target_logits(full[None], req.params, req.prompt_ids, req.output_ids + drafts, [])[0]
         q = torch.softmax(x, dim=-1)
         if not bool(torch.isfinite(q).all()):  # NOTE: raised, not sampled: the engine fails this request alone

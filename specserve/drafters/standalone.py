@@ -15,7 +15,7 @@ import torch
 from ..cache.kv_pool import KVPool, OutOfPages
 from ..core import Proposal, Request
 from ..engine.runner import ModelRunner
-from ..engine.sampling import sample, target_logits
+from ..engine.sampling import grammar_allowed, sample, target_logits
 from .base import Capabilities, Drafter, register_drafter
 from .context import DrafterContext
 
@@ -62,7 +62,11 @@ class StandaloneDrafter(Drafter):
                 st.done = start + n
 
     def _draft_token(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
-        """Draft token from one row of draft logits, processed as the target will process its row."""
+        """Draft token from one row of draft logits, processed as the target will process its row
+        (the grammar mask first, as the target's)."""
+        allowed = grammar_allowed(req, drafts)
+        if allowed is not None and bool(allowed.any()):
+            logits = logits.masked_fill(~allowed, float("-inf"))
         x = target_logits(logits[None], req.params, req.prompt_ids, req.output_ids + drafts, [])[0]
         if req.params.greedy or self.greedy_draft:
             return int(x.argmax()), None  # deterministic: verified one-hot

@@ -27,9 +27,11 @@ from ..config import EngineConfig
 from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status
 from ..drafters.base import Drafter, create_drafter
 from ..drafters.context import DrafterContext, KVBudget
+from ..grammar.backend import GrammarCompiler, GrammarSpec, Matcher
 from ..models import LlamaModel, build_model, default_quantization, resolve_dtype
 from ..models.config import ModelConfig
 from ..spec.accept import accept_request
+from ..spec.grammar import cut_to_grammar, forced_drafts, with_forced
 from ..spec.commit import AdvanceKV, CommitStage, Committed, DraftState, Emit, KeepPath
 from ..spec.policy import StepStats, make_policy
 from ..spec.resolve import resolve_config
@@ -72,7 +74,9 @@ class Engine:
         self.aux_layers: tuple[int, ...] = self.drafter.aux_layers if self.drafter else ()
         k = config.speculative_num_draft_tokens
         self.num_draft_tokens = (self.drafter.default_num_draft_tokens if k is None else k) if self.drafter else 0
-        self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests, self.num_draft_tokens)
+        # structured output: forced-token drafts may run past the drafter's window (grammar requests only)
+        self.forced_draft_tokens = config.grammar_forced_drafts and max(config.grammar_forced_drafts, self.num_draft_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests, self._lookahead)
         self.scheduler.on_release = self.drafter.release if self.drafter else None
         self.eos_ids = set(mcfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         # A request can never hold more positions than the pool has slots: stop it there ("length")
@@ -84,6 +88,7 @@ class Engine:
         self.commit_stage = CommitStage(steps + ([DraftState(self.drafter)] if self.drafter else []), self._fail)
         if self.drafter:
             self.policy.bind(self.runner, self.drafter)
+        self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
@@ -105,14 +110,28 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already running")
+        grammar = self._compile_grammar(params)
         gen = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             gen = torch.Generator().manual_seed(seed)
-        req = Request(rid, list(prompt_ids), params, generator=gen)
+        req = Request(rid, list(prompt_ids), params, generator=gen, grammar=grammar)
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
+
+    def _compile_grammar(self, params: SamplingParams) -> Matcher | None:
+        """A fresh matcher for the request's grammar (compiled once per distinct grammar; a bad one is
+        a ValueError naming the field, with the backend's reason)."""
+        spec = GrammarSpec.from_params(params)
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"{spec.field}: structured output needs the model's tokenizer")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.config.grammar_backend, self.tokenizer, self.model.cfg.vocab_size,
+                                             self.eos_ids)
+        return self._grammars.matcher(spec)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.scheduler.abort(request_id)
@@ -170,22 +189,33 @@ class Engine:
         self.policy.observe(StepStats(time.perf_counter() - t0, len(reqs), drafted, emitted))
         return reqs
 
-    def _limit(self, r: Request) -> int:
-        """The most drafts r can verify: the pages the scheduler reserved, max_tokens, the context."""
+    def _lookahead(self, r: Request) -> int:
+        """Draft slots the scheduler reserves beyond r's last token."""
+        return max(self.forced_draft_tokens, self.num_draft_tokens) if r.grammar is not None else self.num_draft_tokens
+
+    def _limit(self, r: Request, k: int | None = None) -> int:
+        """The most drafts r can verify (k, default the drafter's K): the pages the scheduler reserved,
+        max_tokens, the context."""
         room = len(r.page_table) * self.kv.page_size - r.seq_len
         left = min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.seq_len) - 1
-        return max(0, min(self.num_draft_tokens, room, left))
+        return max(0, min(self.num_draft_tokens if k is None else k, room, left))
 
     def _draft(self, reqs: list[Request]) -> tuple[list[Request], Proposal, int]:
         """(requests still running, their proposals cut to the verify windows, requests that drafted)."""
         windows = self.policy.plan(reqs, [self._limit(r) for r in reqs])
+        forced = forced_drafts(reqs, windows, [self._limit(r, self.forced_draft_tokens) for r in reqs])
+        windows = [0 if b in forced else w for b, w in enumerate(windows)]  # those skip the drafter
         proposal = Proposal.empty(len(reqs))
         if self.drafter is not None and any(windows):
-            done = isolate(self._propose, list(zip(reqs, windows)), lambda it, e: self._fail_exc(it[0], "draft", e))
-            reqs, windows = [r for (r, _), _ in done], [w for (_, w), _ in done]
+            items = [(r, w, forced.get(b)) for b, (r, w) in enumerate(zip(reqs, windows))]
+            done = isolate(lambda it: self._propose([(r, w) for r, w, _ in it]), items,
+                           lambda it, e: self._fail_exc(it[0], "draft", e))
+            reqs, windows = [r for (r, _, _), _ in done], [w for (_, w, _), _ in done]
+            forced = {b: f for b, ((_, _, f), _) in enumerate(done) if f is not None}
             proposal = Proposal.join([p for _, p in done]) if done else Proposal.empty(0)
         drafted = sum(1 for d in proposal.tokens if d)
         proposal = proposal.truncate(self.policy.cut(reqs, proposal, windows))
+        proposal = cut_to_grammar(reqs, with_forced(proposal, forced))  # after every window cut
         for r, d in zip(reqs, proposal.tokens):
             r.spec_decode_steps += 1
             self.stats.record_window(len(d))

@@ -2,12 +2,15 @@
 
 NOTE (invariant 4): EOS, stop ids, max_tokens, the context limit and stop strings are checked
 after every token of an accepted run; tokens after the cut are never emitted, counted or cached.
+A request's grammar matcher advances here, one emitted token at a time, after that scan: a token
+that ends the request is not fed to it, and a grammar that has terminated ends the request ("stop").
 """
 from __future__ import annotations
 
 import torch
 
 from ..core import Request
+from ..grammar.backend import GrammarError
 from ..models.tokenizer import IncrementalDetokenizer
 from .sampling import token_logprobs
 
@@ -32,6 +35,11 @@ class Emitter:
                 reason = "stop"
             elif len(r.output_ids) >= p.max_tokens or r.seq_len >= self.max_model_len:
                 reason = "length"
+            elif r.grammar is not None:
+                if not r.grammar.accept(t):
+                    raise GrammarError(f"token {t} violates the grammar (a mask was not applied)")
+                if r.grammar.is_terminated():
+                    reason = "stop"
             if reason:
                 break
         if p.logprobs is not None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core import SamplingParams, TokenLogprob
+from ..core import Request, SamplingParams, TokenLogprob
+from ..grammar.ops import mask_after
 
 
 def apply_penalties(
@@ -56,6 +57,13 @@ def target_logits(
     """Processed logits rows: greedy requests take argmax of these; others softmax them into p."""
     x = apply_penalties(logits, params, prompt_ids, output_ids, drafts) if params.needs_penalties else logits
     return x if params.greedy else apply_truncation(x, params)
+
+
+def grammar_allowed(req: Request, drafts: list[int]) -> torch.Tensor | None:
+    """Drafters: the tokens the request's grammar allows after its output + `drafts` (bool [V]), or
+    None when unconstrained. NOTE: a drafter that samples must draw from its distribution masked by
+    this (spec/grammar.py), so that q is what the draft was drawn from and every draft is valid."""
+    return None if req.grammar is None else mask_after(req.grammar, drafts)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

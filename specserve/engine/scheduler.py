@@ -26,11 +26,12 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVPool, max_prefill_tokens: int, max_running_requests: int, lookahead: int) -> None:
+    def __init__(self, kv: KVPool, max_prefill_tokens: int, max_running_requests: int,
+                 lookahead: Callable[[Request], int]) -> None:
         self.kv = kv
         self.max_prefill_tokens = max_prefill_tokens
         self.max_running = max_running_requests
-        self.lookahead = lookahead  # draft tokens a verify window may add beyond the last token
+        self.lookahead = lookahead  # per request: draft tokens a verify window may add beyond the last token
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.on_release: Callable[[Request], None] | None = None  # drafter state of a preempted request
@@ -81,7 +82,7 @@ class Scheduler:
                 continue
             while True:
                 try:
-                    self.kv.ensure(req.page_table, req.seq_len + self.lookahead)
+                    self.kv.ensure(req.page_table, req.seq_len + self.lookahead(req))
                     batch.decodes.append(req)
                     break
                 except OutOfPages:

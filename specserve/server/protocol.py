@@ -1,8 +1,9 @@
 """Request bodies of the HTTP API (pydantic) and their mapping onto SamplingParams.
 
 Shapes follow the OpenAI API (and vLLM's extras passed through `extra_body`: top_k, min_p,
-repetition_penalty, stop_token_ids, ignore_eos). Fields we cannot honour yet are refused with a
-400 naming the field, never silently ignored.
+repetition_penalty, stop_token_ids, ignore_eos), and structured output: OpenAI `response_format`
+(json_object, json_schema), SGLang's json_schema / regex / ebnf on the native endpoint. Fields we
+cannot honour yet are refused with a 400 naming the field, never silently ignored.
 """
 from __future__ import annotations
 
@@ -69,9 +70,30 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI `response_format.json_schema`: the schema under `schema` (output is always held to it,
+    `strict` or not: a grammar masks every token)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    def as_dict(self) -> dict[str, Any] | None:
+        """For SamplingParams.response_format (None for plain text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise RequestError("response_format", "type json_schema needs json_schema.schema")
+            return {"type": "json_schema", "json_schema": {"name": self.json_schema.name,
+                                                           "schema": self.json_schema.schema_}}
+        return {"type": self.type}
 
 
 class _Knobs(_Body):
@@ -123,9 +145,6 @@ class _SamplingFields(_Knobs):
         if self.prompt_logprobs is not None:
             raise RequestError("prompt_logprobs", "not supported")
         _check_repetition_penalty(self.repetition_penalty)
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError("response_format", f"{self.response_format.type!r} (structured output) is not "
-                               "supported yet; only {'type': 'text'}")
 
     def _params(self, max_tokens: int | None, default_max: int, logprobs: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -135,7 +154,7 @@ class _SamplingFields(_Knobs):
             top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, n=self.n,
-            logprobs=logprobs)
+            logprobs=logprobs, response_format=self.response_format.as_dict() if self.response_format else None)
 
     @property
     def include_usage(self) -> bool:
@@ -209,9 +228,9 @@ class GenerateSamplingParams(_Knobs):
 
     max_new_tokens: MaxTokens = 128
     temperature: Temperature = 1.0
-    json_schema: Hidden[str | None] = None
-    regex: Hidden[str | None] = None
-    ebnf: Hidden[str | None] = None
+    json_schema: str | dict[str, Any] | None = None  # a JSON schema (as JSON text, or an object)
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF: root ::= ...
 
 
 class GenerateRequest(_Body):
@@ -224,9 +243,6 @@ class GenerateRequest(_Body):
 
     def params(self) -> SamplingParams:
         s = self.sampling_params
-        for name in ("json_schema", "regex", "ebnf"):
-            if getattr(s, name) is not None:
-                raise RequestError(f"sampling_params.{name}", "structured output is not supported yet")
         if not 0 <= self.top_logprobs_num <= MAX_LOGPROBS:
             raise RequestError("top_logprobs_num", f"must be an integer in [0, {MAX_LOGPROBS}]")
         _check_repetition_penalty(s.repetition_penalty, "sampling_params.repetition_penalty")
@@ -235,7 +251,8 @@ class GenerateRequest(_Body):
             max_tokens=s.max_new_tokens, temperature=_temperature(s.temperature), top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, seed=s.seed, stop=stop, stop_token_ids=tuple(s.stop_token_ids or ()),
-            ignore_eos=s.ignore_eos, n=s.n, logprobs=self.top_logprobs_num if self.return_logprob else None)
+            ignore_eos=s.ignore_eos, n=s.n, logprobs=self.top_logprobs_num if self.return_logprob else None,
+            json_schema=s.json_schema, regex=s.regex, ebnf=s.ebnf)
 
 
 class TokenizeRequest(_Body):

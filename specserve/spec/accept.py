@@ -10,6 +10,7 @@ import torch
 
 from ..core import AcceptResult, Request
 from ..engine.sampling import target_logits
+from .grammar import masked_chain, masked_row
 from .rules import accept_block, accept_greedy, accept_onehot, accept_sample, walk_tree
 
 
@@ -34,7 +35,8 @@ def accept_tree(req: Request, raw: torch.Tensor, draft: list[int], parents: list
     """Tree drafts (deterministic top-k children): walk from the root, each visited row processed
     with the accepted path as its history (penalties see exactly what plain decoding would)."""
     def dist(row: int, hist: list[int]) -> torch.Tensor:
-        x = target_logits(raw[row : row + 1], req.params, req.prompt_ids, req.output_ids + hist, [])[0]
+        rows = raw[row : row + 1] if req.grammar is None else masked_row(req, raw[row], hist)[None]
+        x = target_logits(rows, req.params, req.prompt_ids, req.output_ids + hist, [])[0]
         if req.params.greedy:
             return x
         p = _probs(x)
@@ -51,11 +53,17 @@ def accept_tree(req: Request, raw: torch.Tensor, draft: list[int], parents: list
 
 def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.Tensor | None, configured: str,
                    parents: list[int] | None = None) -> AcceptResult:
-    """raw: target logits [k+1, V] from verify. NaN/Inf fails this request only."""
+    """raw: target logits [k+1, V] from verify. NaN/Inf fails this request only; so does a grammar
+    that allows no token (the NaN check runs first, on the unmasked logits)."""
     if not bool(torch.isfinite(raw).all()):
         return AcceptResult(0, [], error="target logits contain NaN/Inf for this request; request failed")
-    if parents is not None:
-        return accept_tree(req, raw, draft, parents)
+    try:
+        if parents is not None:
+            return accept_tree(req, raw, draft, parents)
+        if req.grammar is not None:  # every rule judges the masked target (drafts were cut to valid ones)
+            raw = masked_chain(req, raw, draft)
+    except ValueError as e:
+        return AcceptResult(0, [], error=str(e))
     x = target_logits(raw, req.params, req.prompt_ids, req.output_ids, draft)
     rule = choose_rule(req.params.greedy, q is not None, configured)
     if rule == "greedy":

@@ -8,8 +8,10 @@ import torch
 from specserve.core import SamplingParams
 
 
-def exact_joint(model, prompt: list[int], length: int, params: SamplingParams) -> dict[tuple[int, ...], float]:  # noqa: ANN001
-    """Exact distribution of the first `length` tokens under `params` (enumeration, full recompute)."""
+def exact_joint(model, prompt: list[int], length: int, params: SamplingParams,  # noqa: ANN001
+                allowed=None) -> dict[tuple[int, ...], float]:  # noqa: ANN001
+    """Exact distribution of the first `length` tokens under `params` (enumeration, full recompute).
+    `allowed(seq) → bool [V]`: a grammar's allowed set after output `seq`, applied to the raw logits."""
     from specserve.cache.kv_pool import KVPool
     from specserve.engine.runner import ModelRunner
     from specserve.engine.sampling import target_logits
@@ -19,7 +21,8 @@ def exact_joint(model, prompt: list[int], length: int, params: SamplingParams) -
         pt: list[int] = []
         kv.ensure(pt, len(ids))
         logits, _ = ModelRunner(model, kv).forward([pt], [0], [ids], [[len(ids) - 1]])
-        x = target_logits(logits[0], params, prompt, ids[len(prompt):], [])
+        raw = logits[0] if allowed is None else logits[0].masked_fill(~allowed(ids[len(prompt):]), float("-inf"))
+        x = target_logits(raw, params, prompt, ids[len(prompt):], [])
         return torch.softmax(x, dim=-1)[0]
 
     joint = {(): 1.0}
@@ -45,9 +48,10 @@ def tv_distance(counts: dict, exact: dict, n: int) -> float:
     return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
 
 
-def engine_vs_exact_joint(llm, prompt: list[int], length: int, base: SamplingParams, n: int):  # noqa: ANN001, ANN201
+def engine_vs_exact_joint(llm, prompt: list[int], length: int, base: SamplingParams, n: int,  # noqa: ANN001, ANN201
+                          allowed=None):  # noqa: ANN001
     """(TV of the engine's outputs, TV of a direct sample of the exact joint, the outputs)."""
-    exact = exact_joint(llm.engine.model, prompt, length, base)
+    exact = exact_joint(llm.engine.model, prompt, length, base, allowed)
     outs = llm.generate([prompt] * n, [SamplingParams(**{**base.__dict__, "seed": s}) for s in range(n)])
     counts: dict = {}
     for o in outs:

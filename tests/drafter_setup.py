@@ -65,15 +65,20 @@ DIST_VOCAB, DIST_LEN, DIST_N = 3, 5, 2500
 DIST_PARAMS = SamplingParams(temperature=6.0, max_tokens=DIST_LEN, top_p=0.95)
 
 
-def random_drafter_llm(tmp: Path, algo: str, rule: str, **opts) -> LLM:  # noqa: ANN003
+def random_drafter_llm(tmp: Path, algo: str, rule: str, tokenizer=None, **opts) -> LLM:  # noqa: ANN001, ANN003
     """A 3-token-vocabulary fp64 target with a randomly initialised `algo` drafter (a context-dependent
     q ≠ p), accept rule `rule`, 3 draft tokens under fixed windows (every draft verified: DSPARK's default
-    confidence windows would cut a random drafter's drafts short) unless opts say otherwise."""
+    confidence windows would cut a random drafter's drafts short) unless opts say otherwise.
+    `tokenizer` (a specserve Tokenizer of 3 tokens) replaces the target's word-level one (grammar tests)."""
     from specserve.drafters.artifact import build_net, save_drafter
     from specserve.drafters.nets import DrafterConfig
 
     cfg = tiny_config("llama", vocab=DIST_VOCAB, layers=2)
     target = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=11), tmp / "t")
+    if tokenizer is not None:
+        tokenizer.backend.save(f"{target}/tokenizer.json")
+        eos = [tokenizer.id_to_piece(i) for i in tokenizer.eos_token_ids]
+        Path(target, "tokenizer_config.json").write_text(json.dumps({"eos_token": eos[0]} if eos else {}))
     dcfg = DrafterConfig.for_target(algo, cfg, block_size=4 if algo in ("dflash", "dspark") else None,
                                     markov_rank=8 if algo == "dspark" else None)
     torch.manual_seed(5)

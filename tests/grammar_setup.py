@@ -20,11 +20,14 @@ def _byte_char(b: int) -> str:
     return chr(256 + sum(1 for x in range(b) if x not in printable))
 
 
-def tiny_tokenizer() -> Tokenizer:
-    vocab = {_byte_char(ord(c)): i for i, c in enumerate(CHARS)}
+def tiny_tokenizer(chars: list[str] | None = None, eos: bool = True) -> Tokenizer:
+    """One token per character of `chars` (default: CHARS), then "<eos>" (when `eos`)."""
+    chars = CHARS if chars is None else chars
+    vocab = {_byte_char(ord(c)): i for i, c in enumerate(chars)}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    if not eos:
+        return Tokenizer(tok, bos_token_id=None, eos_token_ids=())
     tok.add_special_tokens(["<eos>"])
-    assert tok.token_to_id("<eos>") == EOS
-    return Tokenizer(tok, bos_token_id=None, eos_token_ids=(EOS,))
+    return Tokenizer(tok, bos_token_id=None, eos_token_ids=(len(chars),))

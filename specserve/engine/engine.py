@@ -126,8 +126,8 @@ class Engine:
         spec = GrammarSpec.from_params(params)
         if spec is None:
             return None
-        if self.tokenizer is None:
-            raise ValueError(f"{spec.field}: structured output needs the model's tokenizer")
+        if self.tokenizer is None or not self.eos_ids:
+            raise ValueError(f"{spec.field}: structured output needs the model's tokenizer and its EOS token")
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.config.grammar_backend, self.tokenizer, self.model.cfg.vocab_size,
                                              self.eos_ids)

@@ -155,3 +155,13 @@ def test_grammar_spec_equals_plain_standalone(tmp_path) -> None:  # noqa: ANN001
         reqs = drive(llm, plan)
         assert greedy_only(plan, outputs(reqs)) == ref, K
         assert_no_leak(llm.engine)
+
+
+def test_xgrammar_backend_same_tokens() -> None:
+    """--grammar-backend xgrammar: the same greedy outputs as llguidance, plain and speculative."""
+    model = tiny_model("llama", seed=9)
+    plan = plan_for(2)
+    ref = greedy_only(plan, outputs(plain(model, plan)))
+    for algo in (None, NGRAM):
+        llm = make_llm(model, algo, 4, tokenizer=TOK, grammar_backend="xgrammar")
+        assert greedy_only(plan, outputs(drive(llm, plan))) == ref, algo

@@ -11,9 +11,11 @@ from .backend import GrammarBackend, GrammarError, GrammarSpec, Matcher, registe
 
 
 class XGrammarMatcher(Matcher):
-    def __init__(self, m: xgr.GrammarMatcher, vocab_size: int) -> None:
+    def __init__(self, m: xgr.GrammarMatcher, vocab_size: int, eos_ids: list[int]) -> None:
         self.m, self.vocab_size = m, vocab_size
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.text_tokens = torch.ones(vocab_size, dtype=torch.bool)
+        self.text_tokens[eos_ids] = False
 
     def accept(self, token: int) -> bool:
         return bool(self.m.accept_token(token))
@@ -21,7 +23,7 @@ class XGrammarMatcher(Matcher):
     def try_accept(self, tokens: list[int]) -> int:
         n = 0
         for t in tokens:
-            if self.m.is_terminated() or not self.m.accept_token(t):
+            if self.is_terminated() or not self.m.accept_token(t):
                 break
             n += 1
         return n
@@ -37,7 +39,11 @@ class XGrammarMatcher(Matcher):
         return bits.flatten()[: self.vocab_size].bool()
 
     def is_terminated(self) -> bool:
-        return bool(self.m.is_terminated())
+        # NOTE: as llguidance: the grammar has ended once it is complete and allows only EOS, so both
+        # backends end a request at the same token (xgrammar alone would wait for the EOS token)
+        if self.m.is_terminated():
+            return True
+        return bool(self.m.is_completed()) and not bool((self.allowed() & self.text_tokens).any())
 
     def forced_tokens(self) -> list[int]:
         return []  # xgrammar forces strings, not tokens; the drafts stay the drafter's
@@ -65,5 +71,4 @@ class XGrammarBackend(GrammarBackend):
             raise GrammarError(" ".join(str(e).split())[:600]) from None
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
-        # NOTE: terminate at grammar completion (as llguidance does), without waiting for EOS
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled, terminate_without_stop_token=True), self.vocab_size)
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled), self.vocab_size, self.eos_ids)

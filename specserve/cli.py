@@ -26,13 +26,23 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--json-schema", default=None, help="structured output: a JSON schema (JSON text or a .json file)")
+    p.add_argument("--regex", default=None, help="structured output: the output matches this regex")
+    p.add_argument("--ebnf", default=None, help="structured output: a GBNF grammar (root ::= ...)")
+
+
+def _text_or_file(value: str | None) -> str | None:
+    from pathlib import Path
+
+    return Path(value).read_text() if value and not value.lstrip().startswith("{") and Path(value).is_file() else value
 
 
 def _params(a: argparse.Namespace) -> SamplingParams:
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                         min_p=a.min_p, repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
                         frequency_penalty=a.frequency_penalty, seed=a.sampling_seed, stop=tuple(a.stop),
-                        ignore_eos=a.ignore_eos, n=a.n, logprobs=a.logprobs)
+                        ignore_eos=a.ignore_eos, n=a.n, logprobs=a.logprobs, regex=a.regex, ebnf=a.ebnf,
+                        json_schema=_text_or_file(a.json_schema))
     try:
         sp.validate()
     except ValueError as e:
@@ -97,7 +107,9 @@ def cmd_generate(a: argparse.Namespace) -> None:
         else:
             outs = llm.generate(prompts, sp)
     except ValueError as e:
-        raise SystemExit(f"specserve: error: {e}") from None
+        field, sep, msg = str(e).partition(": ")
+        flagged = field in ("json_schema", "regex", "ebnf")  # grammar errors name the sampling flag
+        raise SystemExit(f"specserve: error: {'--' + field.replace('_', '-') + sep + msg if flagged else e}") from None
     for p, o in zip(prompts, outs):
         for c in o.outputs:
             if a.json:

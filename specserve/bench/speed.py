@@ -32,6 +32,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "assistant model when --speculative-draft-model-path is set)")
     p.add_argument("--llama-cpp", action="store_true", help="llama-cpp-python on the same GGUF, if installed")
     p.add_argument("--plot", default=None, help="PNG path (default next to the JSON)")
+    p.add_argument("--json-schema", default=None, help="structured output: every request is held to this JSON schema "
+                   "(a .json file, or 'answer': the schema of --workload json); configurations must still agree token "
+                   "for token, and grammar-ended requests count the tokens they emitted")
 
 
 def _engines(a: argparse.Namespace) -> dict[str, Any]:
@@ -126,19 +129,27 @@ def run(a: argparse.Namespace) -> dict:
         baselines.update(_hf_runners(a, _DT[first.config.dtype]))
     if a.llama_cpp:
         baselines.update(_llama_cpp_runner(a))
-    sp = SamplingParams(temperature=0, max_tokens=a.max_new_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=a.max_new_tokens, ignore_eos=True, json_schema=_schema(a.json_schema))
+    if sp.json_schema and baselines:
+        raise SystemExit("--json-schema: the HF / llama.cpp baselines cannot be held to a schema; drop --hf/--llama-cpp")
     for llm in engines.values():  # warm-up (allocator, kernels, caches) outside the timed runs
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for fn in baselines.values():
         fn(prompts[:1], 8)
     results: dict[str, Any] = {}
+    lossless: dict[str, int] = {}  # batch size → batches whose tokens differ from the first configuration's
     for bs in a.batch_sizes:
         batches = [prompts[i : i + bs] for i in range(0, len(prompts) - bs + 1, bs)]
         tot: dict[str, list[float]] = {}
+        differ = 0  # batches whose tokens differ from the first configuration's (must stay 0: lossless)
         for batch in tqdm(batches, desc=f"batch {bs}", leave=False):
+            ref = None
             for name, llm in engines.items():
                 t = time.perf_counter()
                 outs = llm.generate(batch, sp)
+                toks = [o.token_ids for o in outs]
+                differ += ref is not None and toks != ref
+                ref = toks if ref is None else ref
                 _acc(tot, name, time.perf_counter() - t, sum(len(o.token_ids) for o in outs),
                      sum(o.meta_info.get("spec_verify_ct", 0) for o in outs),
                      sum(o.meta_info.get("spec_accepted_tokens", 0) for o in outs))
@@ -149,11 +160,25 @@ def run(a: argparse.Namespace) -> dict:
                 fn(batch, a.max_new_tokens)
                 _acc(tot, name, time.perf_counter() - t, a.max_new_tokens * len(batch), 0, 0)
         results[str(bs)] = _summarize(tot, bs)
+        lossless[str(bs)] = differ
+        if differ:
+            print(f"WARNING: {differ} batches of size {bs} differ from the first configuration's tokens")
         _print(bs, results[str(bs)])
-    path = record("speed", a, results)
+    path = record("speed", a, results, {"batches_differing_from_first_config": lossless})
     _plot(results, a.plot or str(path.with_suffix(".png")))
     print(f"wrote {path}")
     return results
+
+
+def _schema(arg: str | None) -> str | None:
+    import json
+    from pathlib import Path
+
+    from .workloads import ANSWER_SCHEMA
+
+    if arg is None:
+        return None
+    return json.dumps(ANSWER_SCHEMA) if arg == "answer" else Path(arg).read_text()
 
 
 def _acc(tot: dict, name: str, secs: float, tokens: int, verify: int, accepted: int) -> None:

@@ -76,8 +76,25 @@ def sharegpt() -> list[Messages]:
     return out
 
 
+#: the structured-output workload's schema (`bench speed --json-schema answer`)
+ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["topic", "answer", "confidence", "keywords"],
+                 "properties": {"topic": {"type": "string", "maxLength": 60},
+                                "answer": {"type": "string", "maxLength": 400},
+                                "confidence": {"enum": ["low", "medium", "high"]},
+                                "keywords": {"type": "array", "items": {"type": "string", "maxLength": 24},
+                                             "maxItems": 4}}}
+
+
+def json_answers() -> list[Messages]:
+    """AlpacaEval instructions, answered as a JSON object (pair with --json-schema answer)."""
+    ask = ("Reply with a JSON object only, with the fields topic, answer, confidence (low, medium or high) "
+           "and keywords (a list of strings).\n\n")
+    return [_user(ask + m[0]["content"]) for m in alpaca()]
+
+
 WORKLOADS: dict[str, Callable[[], list[Messages]]] = {
     "humaneval": humaneval, "mtbench": mtbench, "gsm8k": gsm8k, "math": math, "alpaca": alpaca, "sharegpt": sharegpt,
+    "json": json_answers,
 }
 
 

@@ -47,7 +47,7 @@ class EngineConfig:
                                     "up to this many of its forced tokens as drafts (verified like any draft, also "
                                     "without a drafter); 0 = off")
     speculative_algorithm: str | None = _f(None, "drafter: NGRAM, STANDALONE, EAGLE3 (EAGLE), MTP (NEXTN), DFLASH, "
-                                           "DSPARK, SYNTHETIC (tests/benchmarks only); NONE = plain decoding; AUTO = the drafter shipped for "
+                                           "DSPARK, HYBRID (n-gram lookup on long matches, else the learned drafter), SYNTHETIC (tests/benchmarks only); NONE = plain decoding; AUTO = the drafter shipped for "
                                            "the target (DSPARK) if any (the default of serve/generate/chat)")
     speculative_draft_model_path: str | None = _f(None, "draft model for STANDALONE, or a drafter artifact dir for "
                                                   "EAGLE3/MTP/DFLASH/DSPARK (default: the one shipped for the target)")

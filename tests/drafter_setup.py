@@ -87,5 +87,6 @@ def random_drafter_llm(tmp: Path, algo: str, rule: str, tokenizer=None, **opts) 
         for p in net.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     save_drafter(net, tmp / "d", "", torch.float64)
-    return LLM(target, dtype="float64", speculative_algorithm=algo.upper(), speculative_draft_model_path=str(tmp / "d"),
-               speculative_accept=rule, max_running_requests=256, **{"speculative_num_draft_tokens": 3, "speculative_window": "fixed", **opts})
+    return LLM(target, dtype="float64", speculative_draft_model_path=str(tmp / "d"), speculative_accept=rule,
+               max_running_requests=256, **{"speculative_algorithm": algo.upper(), "speculative_num_draft_tokens": 3,
+                                            "speculative_window": "fixed", **opts})

@@ -101,7 +101,7 @@ def shipped_drafter(target: ModelConfig, algorithm: str) -> Path | None:
     return None
 
 
-def _factory(algorithm: str):  # noqa: ANN202
+def learned_factory(algorithm: str):  # noqa: ANN202
     def make(ctx: DrafterContext) -> Drafter:
         c, t = ctx.config, ctx.target
         path = c.speculative_draft_model_path or shipped_drafter(t.cfg, algorithm)
@@ -129,7 +129,7 @@ def _factory(algorithm: str):  # noqa: ANN202
 
 _CHAIN = Capabilities(tree=True, features=True, samples=True, draft_model=True)
 _BLOCK = Capabilities(block=True, features=True, samples=True, draft_model=True)
-register_drafter("EAGLE3", _CHAIN, aliases=("EAGLE",))(_factory("eagle3"))
-register_drafter("MTP", _CHAIN, aliases=("NEXTN",))(_factory("mtp"))
-register_drafter("DFLASH", _BLOCK)(_factory("dflash"))
-register_drafter("DSPARK", dataclasses.replace(_BLOCK, default_window="confidence"))(_factory("dspark"))
+register_drafter("EAGLE3", _CHAIN, aliases=("EAGLE",))(learned_factory("eagle3"))
+register_drafter("MTP", _CHAIN, aliases=("NEXTN",))(learned_factory("mtp"))
+register_drafter("DFLASH", _BLOCK)(learned_factory("dflash"))
+register_drafter("DSPARK", dataclasses.replace(_BLOCK, default_window="confidence"))(learned_factory("dspark"))

@@ -105,7 +105,7 @@ class DrafterEntry:
 
 _REGISTRY: dict[str, DrafterEntry] = {}
 #: modules whose import registers drafters (a new drafter module is added here)
-_MODULES = ("ngram", "standalone", "synthetic", "artifact")
+_MODULES = ("ngram", "standalone", "synthetic", "artifact", "hybrid")
 
 
 def register_drafter(name: str, caps: Capabilities | None = None,

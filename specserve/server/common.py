@@ -93,7 +93,13 @@ def render_chat(srv: Server, messages: list[ChatMessage], add_generation_prompt:
     return tok.encode(text, add_special_tokens=False)
 
 
-def expand(srv: Server, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], SamplingParams]]:
+def _param(field: str, where: str) -> str:
+    """A SamplingParams field as the body names it (`where` = "sampling_params." on /generate)."""
+    return where + field if field in SamplingParams.__dataclass_fields__ else field
+
+
+def expand(srv: Server, prompts: list[list[int]], params: SamplingParams,
+           where: str = "") -> list[tuple[list[int], SamplingParams]]:
     """n samples per prompt; a seeded request gives sample j the seed seed + j (as the offline LLM)."""
     from dataclasses import replace
 
@@ -101,7 +107,7 @@ def expand(srv: Server, prompts: list[list[int]], params: SamplingParams) -> lis
         params.validate(srv.ready_engine().model.cfg.vocab_size)
     except ValueError as e:
         field, _, msg = str(e).partition(": ")
-        raise RequestError(field, msg) from None
+        raise RequestError(_param(field, where), msg) from None
     total = len(prompts) * params.n
     limit = srv.server_config.max_sequences_per_request
     if total > limit:
@@ -110,13 +116,15 @@ def expand(srv: Server, prompts: list[list[int]], params: SamplingParams) -> lis
             for p in prompts for j in range(params.n)]
 
 
-async def submit(srv: Server, seqs: list[tuple[list[int], SamplingParams]], prefix: str) -> tuple[asyncio.Queue, list[str]]:
+async def submit(srv: Server, seqs: list[tuple[list[int], SamplingParams]], prefix: str,
+                 where: str = "") -> tuple[asyncio.Queue, list[str]]:
     ids = srv.engine.new_ids(prefix, len(seqs))
     try:
         q = await srv.engine.submit(seqs, ids)
-    except ValueError as e:  # SamplingParams / add_request say "field: message"
+    except ValueError as e:  # SamplingParams / add_request (a grammar that does not compile) say "field: message"
         field, _, msg = str(e).partition(": ")
-        raise RequestError(field, msg) if msg and " " not in field else RequestError(None, str(e)) from None
+        raise (RequestError(_param(field, where), msg) if msg and " " not in field
+               else RequestError(None, str(e))) from None
     except asyncio.CancelledError:
         srv.engine.abort(ids)
         raise

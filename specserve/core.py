@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .grammar.backend import GrammarSpec, check_grammar_fields
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -84,38 +86,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", f"token id {t!r} out of range [0, {vocab_size})")
-        self._validate_grammar(bad)
-
-    def _validate_grammar(self, bad: Any) -> None:  # noqa: ANN401
-        rf = self.response_format
-        if rf is not None:
-            kind = rf.get("type", "text") if isinstance(rf, dict) else None
-            if kind not in ("text", "json_object", "json_schema"):
-                bad("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
-            if kind == "json_schema":
-                js = rf.get("json_schema")
-                if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
-                    bad("response_format", "json_schema must be an object with a 'schema' object")
-        given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
-        if rf is not None and rf.get("type", "text") != "text":
-            given.insert(0, "response_format")
-        if len(given) > 1:
-            bad(given[1], f"only one of response_format, json_schema, regex, ebnf per request (got {', '.join(given)})")
-        for n in ("json_schema", "regex", "ebnf"):
-            v = getattr(self, n)
-            if v is not None and (not isinstance(v, str) or not v.strip()):
-                bad(n, "must be a non-empty string")
-        if self.json_schema is not None:
-            try:
-                json.loads(self.json_schema)
-            except ValueError as e:
-                bad("json_schema", f"not valid JSON: {e}")
+        check_grammar_fields(self)
 
     @property
     def has_grammar(self) -> bool:
-        rf = self.response_format
-        return (rf is not None and rf.get("type", "text") != "text") or any(
-            getattr(self, n) is not None for n in ("json_schema", "regex", "ebnf"))
+        return GrammarSpec.from_params(self) is not None
 
 
 class Status(enum.Enum):

@@ -204,18 +204,15 @@ class Engine:
         """(requests still running, their proposals cut to the verify windows, requests that drafted)."""
         windows = self.policy.plan(reqs, [self._limit(r) for r in reqs])
         forced = forced_drafts(reqs, windows, [self._limit(r, self.forced_draft_tokens) for r in reqs])
-        windows = [0 if b in forced else w for b, w in enumerate(windows)]  # those skip the drafter
+        windows = [0 if r.request_id in forced else w for r, w in zip(reqs, windows)]  # those skip the drafter
         proposal = Proposal.empty(len(reqs))
         if self.drafter is not None and any(windows):
-            items = [(r, w, forced.get(b)) for b, (r, w) in enumerate(zip(reqs, windows))]
-            done = isolate(lambda it: self._propose([(r, w) for r, w, _ in it]), items,
-                           lambda it, e: self._fail_exc(it[0], "draft", e))
-            reqs, windows = [r for (r, _, _), _ in done], [w for (_, w, _), _ in done]
-            forced = {b: f for b, ((_, _, f), _) in enumerate(done) if f is not None}
+            done = isolate(self._propose, list(zip(reqs, windows)), lambda it, e: self._fail_exc(it[0], "draft", e))
+            reqs, windows = [r for (r, _), _ in done], [w for (_, w), _ in done]
             proposal = Proposal.join([p for _, p in done]) if done else Proposal.empty(0)
         drafted = sum(1 for d in proposal.tokens if d)
         proposal = proposal.truncate(self.policy.cut(reqs, proposal, windows))
-        proposal = cut_to_grammar(reqs, with_forced(proposal, forced))  # after every window cut
+        proposal = cut_to_grammar(reqs, with_forced(reqs, proposal, forced))  # after every window cut
         for r, d in zip(reqs, proposal.tokens):
             r.spec_decode_steps += 1
             self.stats.record_window(len(d))

@@ -49,6 +49,37 @@ class GrammarSpec:
         return None
 
 
+def check_grammar_fields(params: Any) -> None:  # noqa: ANN401 - SamplingParams
+    """SamplingParams.validate's grammar part: at most one grammar, each well-formed (ValueError "field: …").
+    Whether it compiles is the backend's to say, at add_request."""
+    def bad(field_: str, msg: str) -> None:
+        raise ValueError(f"{field_}: {msg}")
+
+    rf = params.response_format
+    if rf is not None:
+        kind = rf.get("type", "text") if isinstance(rf, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            bad("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+                bad("response_format", "json_schema must be an object with a 'schema' object")
+    given = [n for n in KINDS if getattr(params, n) is not None]
+    if rf is not None and rf.get("type", "text") != "text":
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        bad(given[1], f"only one of response_format, json_schema, regex, ebnf per request (got {', '.join(given)})")
+    for n in KINDS:
+        v = getattr(params, n)
+        if v is not None and (not isinstance(v, str) or not v.strip()):
+            bad(n, "must be a non-empty string")
+    if params.json_schema is not None:
+        try:
+            json.loads(params.json_schema)
+        except ValueError as e:
+            bad("json_schema", f"not valid JSON: {e}")
+
+
 class Matcher(ABC):
     """One request's grammar state over token ids.
 

@@ -19,28 +19,26 @@ from ..core import Proposal, Request
 from ..grammar.ops import mask_after, masks_along, valid_prefix
 
 
-def forced_drafts(reqs: list[Request], windows: list[int], limits: list[int]) -> dict[int, list[int]]:
-    """b → the grammar's forced tokens (≤ limits[b]) for requests whose forced run is at least the
+def forced_drafts(reqs: list[Request], windows: list[int], limits: list[int]) -> dict[str, list[int]]:
+    """request_id → the grammar's forced tokens (≤ limits[b]) for requests whose forced run is at least the
     window the policy planned for them: those skip the drafter this step. Decided from the grammar
     and the planned window only, never from draft values."""
-    out: dict[int, list[int]] = {}
-    for b, (r, w, lim) in enumerate(zip(reqs, windows, limits)):
+    out: dict[str, list[int]] = {}
+    for r, w, lim in zip(reqs, windows, limits):
         if r.grammar is None or lim <= 0 or r.grammar.is_terminated():
             continue
         ff = r.grammar.forced_tokens()[:lim]
         if ff and len(ff) >= w:
-            out[b] = ff
+            out[r.request_id] = ff
     return out
 
 
-def with_forced(proposal: Proposal, forced: dict[int, list[int]]) -> Proposal:
+def with_forced(reqs: list[Request], proposal: Proposal, forced: dict[str, list[int]]) -> Proposal:
     """The proposal with forced tokens as the drafts of the requests in `forced` (deterministic: no q)."""
     if not forced:
         return proposal
-    parts = proposal.split()
-    for b, ff in forced.items():
-        parts[b] = Proposal([list(ff)])
-    return Proposal.join(parts)
+    return Proposal.join([Proposal([list(forced[r.request_id])]) if r.request_id in forced else part
+                          for r, part in zip(reqs, proposal.split())])
 
 
 def cut_to_grammar(reqs: list[Request], proposal: Proposal) -> Proposal:

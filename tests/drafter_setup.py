@@ -54,9 +54,9 @@ def train_all(tmp: Path) -> dict:
 
 
 def _spec_llm(trained: dict, algo: str, **kw) -> LLM:  # noqa: ANN003
-    kw.setdefault("kv_cache_memory", "512KiB")
-    return LLM.from_model(_target(), speculative_algorithm=algo.upper(),
-                          speculative_draft_model_path=str(trained["artifacts"][algo]), **kw)
+    """A learned drafter of the `trained` fixture (kw may name another algorithm using it, e.g. HYBRID)."""
+    kw = {"kv_cache_memory": "512KiB", "speculative_algorithm": algo.upper(), **kw}
+    return LLM.from_model(_target(), speculative_draft_model_path=str(trained["artifacts"][algo]), **kw)
 
 
 # the engine-level distribution tests of learned drafters (tests/test_drafters.py) and their negative

@@ -131,7 +131,8 @@ def test_forced_drafts_without_a_drafter() -> None:
 
 @pytest.mark.parametrize("algo,opts", [("eagle3", {}), ("eagle3", {"speculative_eagle_topk": 2}),
                                        ("mtp", {}), ("dflash", {}), ("dspark", {}),
-                                       ("dspark", {"speculative_lattice_topk": 3})])
+                                       ("dspark", {"speculative_lattice_topk": 3}),
+                                       ("dspark", {"speculative_algorithm": "HYBRID"})])
 def test_grammar_spec_equals_plain_learned(trained: dict, algo: str, opts: dict, verify_mode: str) -> None:  # noqa: F811
     plan = plan_for(11)
     ref = greedy_only(plan, outputs(plain(_target(), plan)))

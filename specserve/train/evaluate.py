@@ -51,6 +51,10 @@ def model_card(cfg: DrafterConfig) -> str:
                 f"{(t.get('last_log') or {}).get('seen_tokens')} tokens seen")
     lines += ["", "## Training", "", data,
               f"- {t.get('steps')} steps, lr {t.get('lr')}, {t.get('batch_tokens')} tokens per step, max length {t.get('max_len')}"]
+    if t.get("init_from"):
+        src = t["init_from"].get("its_training") or {}
+        lines.append(f"- fine-tuned from `{t['init_from']['artifact']}` (then: {src.get('steps')} steps on {src.get('data')}; "
+                     f"its command: `{src.get('command')}`)")
     if last_log:
         lines.append(f"- final training loss {last_log.get('loss', float('nan')):.3f}, τ estimated on training batches "
                      f"{last_log.get('tau_est', float('nan')):.2f} (teacher-forced, in-sample), "

@@ -82,9 +82,12 @@ def train_command(a: argparse.Namespace) -> str:
     skip = {"func", "command", "out", "init_record"}
     parts = [f"specserve train-drafter --out {a.out}"]
     for k, v in vars(a).items():
-        if k in skip or v is None or callable(v):
+        if k in skip or v is None or v is False or callable(v):
             continue
         flag = "--" + k.replace("_", "-")
+        if v is True:  # store_true flags
+            parts.append(flag)
+            continue
         parts.append(f"{flag} {' '.join(map(str, v))}" if isinstance(v, (list, tuple)) else f"{flag} {v}")
     return " ".join(parts)
 

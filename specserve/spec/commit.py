@@ -8,10 +8,11 @@ goes through `CommitStage.steps` in order:
   Emit        the tokens one by one through the stop scan (EOS, stop ids/strings, max_tokens,
               context); per-request and engine-wide acceptance stats count only what was emitted
   DraftState  drafter.commit with the committed rows' target features (one call for the batch)
-Extension point: a later step is a `CommitStep` inserted at its place in `steps`, e.g. a grammar
-matcher advancing over the emitted tokens (after Emit, reading `c.req.output_ids[-c.emitted:]`), or
-recurrent target state selecting the accepted path's state / replaying the kept tokens (after
-KeepPath, before AdvanceKV). A step that raises for a request fails that request alone; later steps
+A request's grammar matcher advances inside Emit, token by token after the stop scan
+(engine/output.py), so that a grammar's end cuts the run exactly where a stop string would.
+Extension point: a later step is a `CommitStep` inserted at its place in `steps`, e.g. recurrent
+target state selecting the accepted path's state / replaying the kept tokens (after KeepPath,
+before AdvanceKV). A step that raises for a request fails that request alone; later steps
 skip it (per-request steps run one request at a time; batched steps are retried one by one).
 The first token after a prefill passes through the same steps with `verified=False` (nothing was
 verified: no KV to advance, no draft state to commit).

@@ -116,9 +116,9 @@ def test_tree_keeps_only_valid_nodes() -> None:
 
 def test_forced_drafts_decided_before_drafting() -> None:
     r = _req(regex="abc(d|e)")
-    assert forced_drafts([r], [0], [8]) == {"r": ids("abc")}
-    assert forced_drafts([r], [5], [8]) == {}  # the drafter's planned window is longer: it drafts
-    assert forced_drafts([r], [2], [2]) == {"r": ids("ab")}
+    assert forced_drafts([r], [0], lambda _: 8) == {"r": ids("abc")}
+    assert forced_drafts([r], [5], lambda _: 8) == {}  # the drafter's planned window is longer: it drafts
+    assert forced_drafts([r], [2], lambda _: 2) == {"r": ids("ab")}
 
 
 def test_masks_computed_for_drafts_later_cut(monkeypatch: pytest.MonkeyPatch) -> None:

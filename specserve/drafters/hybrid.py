@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..core import Proposal, Request
-from .artifact import learned_factory, read_config, shipped_drafter
+from .artifact import learned_factory, read_config
 from .base import Capabilities, Drafter, register_drafter
 from .context import DrafterContext
 from .learned import LearnedDrafter
@@ -54,11 +54,8 @@ class HybridDrafter(Drafter):
                                          extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match")))
 def _make(ctx: DrafterContext) -> Drafter:
     c = ctx.config
-    path = c.speculative_draft_model_path or shipped_drafter(ctx.target.cfg, "dspark")
-    if path is None:
-        raise ValueError(f"--speculative-draft-model-path: HYBRID needs a learned drafter and none ships for "
-                         f"{ctx.target.cfg.name!r}; train one: specserve train-drafter --algorithm dspark")
-    learned = learned_factory(read_config(path).algorithm)(ctx)
+    path = c.speculative_draft_model_path
+    learned = learned_factory(read_config(path).algorithm if path else "dspark")(ctx)
     max_match = c.value("speculative_ngram_max_match")
     min_match = c.speculative_ngram_min_match or min(LONG_MATCH, max_match)
     return HybridDrafter(learned, min_match, max_match)

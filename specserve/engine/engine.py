@@ -203,7 +203,7 @@ class Engine:
     def _draft(self, reqs: list[Request]) -> tuple[list[Request], Proposal, int]:
         """(requests still running, their proposals cut to the verify windows, requests that drafted)."""
         windows = self.policy.plan(reqs, [self._limit(r) for r in reqs])
-        forced = forced_drafts(reqs, windows, [self._limit(r, self.forced_draft_tokens) for r in reqs])
+        forced = forced_drafts(reqs, windows, lambda r: self._limit(r, self.forced_draft_tokens))
         windows = [0 if r.request_id in forced else w for r, w in zip(reqs, windows)]  # those skip the drafter
         proposal = Proposal.empty(len(reqs))
         if self.drafter is not None and any(windows):

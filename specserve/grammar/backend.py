@@ -131,7 +131,6 @@ class GrammarBackend(ABC):
 
 _BACKENDS: dict[str, type[GrammarBackend]] = {}
 _MODULES = {"llguidance": "llguidance_backend", "xgrammar": "xgrammar_backend"}
-BACKENDS = tuple(_MODULES)
 
 
 def register_backend(name: str) -> Callable[[type[GrammarBackend]], type[GrammarBackend]]:
@@ -148,8 +147,8 @@ def backend_class(name: str) -> type[GrammarBackend]:
     try:
         importlib.import_module(f"{__package__}.{_MODULES[name]}")
     except ImportError as e:
-        raise ValueError(f"--grammar-backend {name}: not installed ({e}); "
-                         f"pip install 'specserve[{name}]'" if name != "llguidance" else f"({e})") from None
+        hint = "reinstall specserve" if name == "llguidance" else f"pip install 'specserve[{name}]'"
+        raise ValueError(f"--grammar-backend {name}: not installed ({e}); {hint}") from None
     return _BACKENDS[name]
 
 
@@ -157,7 +156,6 @@ class GrammarCompiler:
     """The engine's grammar front door: spec → fresh matcher, compiled grammars cached (LRU)."""
 
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> None:  # noqa: ANN401
-        self.name = backend
         self.backend = backend_class(backend)(tokenizer, vocab_size, sorted(eos_ids))
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 

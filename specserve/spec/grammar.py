@@ -13,19 +13,21 @@ drafts are always valid and the cut never depends on a random draft's value.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..core import Proposal, Request
 from ..grammar.ops import mask_after, masks_along, valid_prefix
 
 
-def forced_drafts(reqs: list[Request], windows: list[int], limits: list[int]) -> dict[str, list[int]]:
-    """request_id → the grammar's forced tokens (≤ limits[b]) for requests whose forced run is at least the
+def forced_drafts(reqs: list[Request], windows: list[int], limit: Callable[[Request], int]) -> dict[str, list[int]]:
+    """request_id → the grammar's forced tokens (≤ limit(r)) for requests whose forced run is at least the
     window the policy planned for them: those skip the drafter this step. Decided from the grammar
     and the planned window only, never from draft values."""
     out: dict[str, list[int]] = {}
-    for r, w, lim in zip(reqs, windows, limits):
-        if r.grammar is None or lim <= 0 or r.grammar.is_terminated():
+    for r, w in zip(reqs, windows):
+        if r.grammar is None or r.grammar.is_terminated() or (lim := limit(r)) <= 0:
             continue
         ff = r.grammar.forced_tokens()[:lim]
         if ff and len(ff) >= w:

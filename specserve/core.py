@@ -120,6 +120,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)
     committed_len: int = 0
+    state_slot: int | None = None  # hybrid targets: its StatePool slot (state after committed_len tokens)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None

@@ -46,8 +46,9 @@ class KVPool:
         self.allocator = PageAllocator(num_pages)
         slots = num_pages * page_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        # NOTE: one K and one V per attention layer, in layer order (recurrent layers keep a StatePool slot)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in cfg.attention_layers]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in cfg.attention_layers]
 
     @staticmethod
     def pages_for_budget(cfg: ModelConfig, budget_bytes: int, page_size: int, dtype: torch.dtype) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.kv_pool import KVPool
+from ..cache.state_pool import StatePool
 from ..config import EngineConfig
 from ..models import LlamaModel, resolve_dtype
 from ..models.config import ModelConfig
@@ -43,6 +44,19 @@ class KVBudget:
 
     def draft_pool(self, draft: ModelConfig, dtype: torch.dtype) -> KVPool:
         return KVPool(draft, self.reserve(draft, dtype), self.page_size, dtype)
+
+    def state_pool(self, cfg: ModelConfig, dtype: torch.dtype, slots: int) -> StatePool:
+        """A recurrent-state pool of `slots` slots for a hybrid model, taken off the budget first
+        (its size does not depend on context length)."""
+        from ..models.qwen3_5 import state_dtype
+
+        sdt = state_dtype(dtype)
+        need = slots * StatePool.bytes_per_slot(cfg, sdt)
+        if need >= self.remaining:
+            raise ValueError(f"--kv-cache-memory: {self.remaining} bytes left cannot hold {slots} recurrent-state "
+                             f"slots of {need // slots} bytes (one per --max-running-requests) plus KV pages")
+        self.remaining -= need
+        return StatePool(cfg, slots, sdt)
 
 
 @dataclass

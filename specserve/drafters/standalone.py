@@ -4,6 +4,9 @@ own KV pool (sized from its own geometry) and its own page tables.
 Draft-side state per request: `done` = positions whose draft KV is valid. Propose catches up on
 tokens the draft has not seen (the last token, accepted drafts beyond what it wrote, the bonus),
 then feeds its own drafts one by one. Commit truncates `done` to what the target accepted.
+A hybrid draft model (recurrent layers) cannot truncate its state: it keeps a state slot per request
+plus a snapshot of the state at every position it drafted past `base` in this round, and commit
+copies the snapshot at the new `done` back into the slot (the slot always holds the state at `done`).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from ..cache.kv_pool import KVPool, OutOfPages
 from ..core import Proposal, Request
 from ..engine.runner import ModelRunner
 from ..engine.sampling import grammar_allowed, sample, target_logits
+from ..models.forward_batch import RowStates, StateBatch
 from .base import Capabilities, Drafter, register_drafter
 from .context import DrafterContext
 
@@ -29,6 +33,8 @@ class _DraftState:
     done: int = 0  # draft KV valid for positions [0, done)
     written: int = 0  # positions written in the last propose (some may be rejected)
     base: int = 0  # seq_len at the last propose
+    slot: int | None = None  # hybrid draft models: state after positions [0, done)
+    snaps: dict[int, RowStates] = field(default_factory=dict)  # position → state after it, this round
 
 
 class StandaloneDrafter(Drafter):
@@ -42,7 +48,27 @@ class StandaloneDrafter(Drafter):
         self.supplies_q = not self.greedy_draft
 
     def _st(self, req: Request) -> _DraftState:
-        return self.state.setdefault(req.request_id, _DraftState())
+        st = self.state.setdefault(req.request_id, _DraftState())
+        if self.runner.states is not None and st.slot is None:
+            st.slot = self.runner.states.alloc()
+        return st
+
+    def _states(self, sts: list[_DraftState], keep_rows: bool) -> StateBatch | None:
+        pool = self.runner.states
+        return None if pool is None else pool.batch([s.slot for s in sts], keep_rows)
+
+    def _advance(self, sts: list[_DraftState], states: StateBatch | None, lengths: list[int]) -> None:
+        """After a forward of `lengths` new tokens per state: slots take the last row's state; rows at
+        positions ≥ base are kept as snapshots for commit. Then done += lengths."""
+        if states is not None:
+            for st, rows, n in zip(sts, states.split(lengths), lengths):
+                self.runner.states.write(st.slot, rows, n - 1)
+                for i in range(n):
+                    if st.done + i + 1 >= st.base:
+                        st.snaps[st.done + i + 1] = RowStates([c[i : i + 1] for c in rows.conv],
+                                                              [r[i : i + 1] for r in rows.rec])
+        for st, n in zip(sts, lengths):
+            st.done += n
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         todo = []
@@ -56,8 +82,13 @@ class StandaloneDrafter(Drafter):
                 continue
             todo.append((req, st, start, n))
         if todo:
-            self.runner.forward([s.page_table for _, s, _, _ in todo], [start for _, _, start, _ in todo],
-                                [r.all_ids[s : s + n] for r, _, s, n in todo], [[] for _ in todo])
+            sts = [st for _, st, _, _ in todo]
+            states = self._states(sts, keep_rows=False)
+            self.runner.forward([s.page_table for s in sts], [start for _, _, start, _ in todo],
+                                [r.all_ids[s : s + n] for r, _, s, n in todo], [[] for _ in todo], states=states)
+            if states is not None:
+                for st, rows in zip(sts, states.split([n for *_, n in todo])):
+                    self.runner.states.write(st.slot, rows, 0)
             for _, st, start, n in todo:
                 st.done = start + n
 
@@ -87,15 +118,18 @@ class StandaloneDrafter(Drafter):
             except OutOfPages:
                 continue  # no draft memory: this request decodes plainly this step
             st.base = req.seq_len
+            st.snaps.clear()
             active.append(b)
         pending = {b: reqs[b].all_ids[self.state[reqs[b].request_id].done :] for b in active}
         while active:
             sts = [self.state[reqs[b].request_id] for b in active]
+            states = self._states(sts, keep_rows=True)
             logits, _ = self.runner.forward([s.page_table for s in sts], [s.done for s in sts],
-                                            [pending[b] for b in active], [[len(pending[b]) - 1] for b in active])
+                                            [pending[b] for b in active], [[len(pending[b]) - 1] for b in active],
+                                            states=states)
+            self._advance(sts, states, [len(pending[b]) for b in active])
             still = []
             for b, st, row in zip(active, sts, logits):
-                st.done += len(pending[b])
                 tok, q = self._draft_token(reqs[b], row[0], tokens[b])
                 tokens[b].append(tok)
                 if q is not None:
@@ -115,18 +149,26 @@ class StandaloneDrafter(Drafter):
             st = self.state.get(req.request_id)
             if st is not None and st.base:
                 # valid: everything before the last token, the last token, and accepted drafts d_1..d_n
-                st.done = min(st.written, st.base + n)
-                st.base = 0
+                done = min(st.written, st.base + n)
+                if st.slot is not None and done != st.done:
+                    self.runner.states.write(st.slot, st.snaps[done], 0)
+                st.done, st.base = done, 0
+                st.snaps.clear()
 
     def release(self, req: Request) -> None:
         st = self.state.pop(req.request_id, None)
         if st is not None:
             self.kv.release(st.page_table)
+            if self.runner.states is not None:
+                self.runner.states.free(st.slot)
 
 
 def build_draft_runner(ctx: DrafterContext, model: "LlamaModel") -> ModelRunner:
-    """A runner with the draft's own KV pool, sized from the draft geometry out of the KV budget."""
-    return ModelRunner(model, ctx.kv_budget.draft_pool(model.cfg, model.dtype))
+    """A runner with the draft's own KV pool (and state pool for a hybrid draft model), sized from the
+    draft geometry out of the KV budget."""
+    cfg = model.cfg
+    states = ctx.kv_budget.state_pool(cfg, model.dtype, ctx.config.max_running_requests) if cfg.is_hybrid else None
+    return ModelRunner(model, ctx.kv_budget.draft_pool(cfg, model.dtype), states)
 
 
 @register_drafter("STANDALONE", Capabilities(samples=True, draft_model=True, needs_draft_model_path=True),

@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 
 from ..cache.kv_pool import KVPool, parse_memory
+from ..cache.state_pool import StatePool
 from ..config import EngineConfig
 from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status
 from ..drafters.base import Drafter, create_drafter
@@ -32,7 +33,7 @@ from ..models import LlamaModel, build_model, default_quantization, resolve_dtyp
 from ..models.config import ModelConfig
 from ..spec.accept import accept_request
 from ..spec.grammar import cut_to_grammar, forced_drafts, with_forced
-from ..spec.commit import AdvanceKV, CommitStage, Committed, DraftState, Emit, KeepPath
+from ..spec.commit import AdvanceKV, CommitStage, CommitState, Committed, DraftState, Emit, KeepPath
 from ..spec.policy import StepStats, make_policy
 from ..spec.resolve import resolve_config
 from ..spec.verify import verify
@@ -60,6 +61,8 @@ class Engine:
         self.config = config = resolve_config(config, mcfg)  # AUTO and the default window made concrete
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         budget = KVBudget(parse_memory(config.kv_cache_memory), mcfg, self.dtype, config.page_size)
+        # hybrid targets: one recurrent-state slot per request that may run, reserved before any KV
+        self.states = budget.state_pool(mcfg, self.dtype, config.max_running_requests) if mcfg.is_hybrid else None
         self.policy = make_policy(config.speculative_window if config.speculative_algorithm else "fixed", config)
         self.drafter: Drafter | None = None
         if config.speculative_algorithm:  # NOTE: the drafter reserves its pool before the target's is sized
@@ -69,14 +72,15 @@ class Engine:
         if pages < 1:
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory!r} is too small for one KV page of this model")
         self.kv = KVPool(mcfg, pages, config.page_size, self.dtype)
-        self.runner = ModelRunner(model, self.kv)
+        self.runner = ModelRunner(model, self.kv, self.states)
         # target layers whose hidden states the drafter consumes; () = capture nothing
         self.aux_layers: tuple[int, ...] = self.drafter.aux_layers if self.drafter else ()
         k = config.speculative_num_draft_tokens
         self.num_draft_tokens = (self.drafter.default_num_draft_tokens if k is None else k) if self.drafter else 0
         # structured output: forced-token drafts may run past the drafter's window (grammar requests only)
         self.forced_draft_tokens = config.grammar_forced_drafts and max(config.grammar_forced_drafts, self.num_draft_tokens)
-        self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests, self._lookahead)
+        self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests, self._lookahead,
+                                   self.states)
         self.scheduler.on_release = self.drafter.release if self.drafter else None
         self.eos_ids = set(mcfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         # A request can never hold more positions than the pool has slots: stop it there ("length")
@@ -84,7 +88,8 @@ class Engine:
         self.emitter = Emitter(tokenizer, self.eos_ids, min(self.max_model_len, self.kv.num_slots))
         self.stats = SpecStats()
         self.verify_mode = config.speculative_verify_packing
-        steps = [KeepPath(self.kv), AdvanceKV(), Emit(self.emitter, self.stats, self._finish)]
+        steps = [KeepPath(self.kv), *([CommitState(self.states)] if self.states else []), AdvanceKV(),
+                 Emit(self.emitter, self.stats, self._finish)]
         self.commit_stage = CommitStage(steps + ([DraftState(self.drafter)] if self.drafter else []), self._fail)
         if self.drafter:
             self.policy.bind(self.runner, self.drafter)
@@ -160,9 +165,13 @@ class Engine:
         def forward(cs: list[tuple[Request, int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
             starts = [r.committed_len for r, _ in cs]
             first = [r.committed_len + n == r.prefill_target and not r.output_ids for r, n in cs]
+            states = self.states.batch([r.state_slot for r, _ in cs]) if self.states else None
             logits, captured = self.runner.forward(
                 [r.page_table for r, _ in cs], starts, [r.all_ids[s : s + n] for (r, n), s in zip(cs, starts)],
-                [[n - 1] if f else [] for (_, n), f in zip(cs, first)], aux)
+                [[n - 1] if f else [] for (_, n), f in zip(cs, first)], aux, states=states)
+            if states is not None:  # a prefill chunk is committed whole: its last row's state is final
+                for (r, _), rows in zip(cs, states.split([n for _, n in cs])):
+                    self.states.write(r.state_slot, rows, 0)
             feats = split_features(captured, self.aux_layers, [n for _, n in cs]) if aux else [None] * len(cs)
             return [(row if f else None, x) for row, f, x in zip(logits, first, feats)]
 
@@ -182,8 +191,8 @@ class Engine:
     def _decode(self, reqs: list[Request]) -> list[Request]:
         t0 = time.perf_counter()
         reqs, proposal, drafted = self._draft(reqs)              # DRAFT under the window policy
-        reqs, proposal, logits, feats = self._verify(reqs, proposal)  # VERIFY: one target forward
-        accepted = self._accept(reqs, proposal, logits, feats)    # ACCEPT: a lossless rule per request
+        reqs, proposal, logits, extras = self._verify(reqs, proposal)  # VERIFY: one target forward
+        accepted = self._accept(reqs, proposal, logits, extras)   # ACCEPT: a lossless rule per request
         committed = self.commit_stage.run(accepted)              # COMMIT: keep, advance, emit, draft state
         emitted = sum(c.emitted for c in committed)
         self.policy.observe(StepStats(time.perf_counter() - t0, len(reqs), drafted, emitted))
@@ -229,24 +238,26 @@ class Engine:
                 gen.set_state(state)
             raise
 
-    def _verify(self, reqs: list[Request], proposal: Proposal
-                ) -> tuple[list[Request], Proposal, list[torch.Tensor], list[torch.Tensor | None]]:
-        def run(it: list[tuple[Request, Proposal]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-            logits, feats = verify(self.runner, [r for r, _ in it], Proposal.join([p for _, p in it]),
-                                   self.verify_mode, self.aux_layers)
-            return list(zip(logits, feats or [None] * len(it)))
+    def _verify(self, reqs: list[Request], proposal: Proposal) -> tuple[list[Request], Proposal, list[torch.Tensor], list]:
+        """(requests verified, their proposals, raw logits, per request (features, recurrent row states))."""
+        def run(it: list[tuple[Request, Proposal]]) -> list[tuple[torch.Tensor, tuple]]:
+            logits, feats, states = verify(self.runner, [r for r, _ in it], Proposal.join([p for _, p in it]),
+                                           self.verify_mode, self.aux_layers)
+            return list(zip(logits, zip(feats or [None] * len(it), states or [None] * len(it))))
 
         done = isolate(run, list(zip(reqs, proposal.split())), lambda it, e: self._fail_exc(it[0], "verify", e))
         parts = [p for (_, p), _ in done]
         return ([r for (r, _), _ in done], Proposal.join(parts) if parts else Proposal.empty(0),
-                [x for _, (x, _) in done], [f for _, (_, f) in done])
+                [x for _, (x, _) in done], [extra for _, (_, extra) in done])
 
     def _accept(self, reqs: list[Request], proposal: Proposal, logits: list[torch.Tensor],
-                feats: list[torch.Tensor | None] | None = None, verified: bool = True) -> list[Committed]:
-        """A rule per request (spec/accept.py); NaN/Inf or an exception fails that request alone."""
+                extras: list | None = None, verified: bool = True) -> list[Committed]:
+        """A rule per request (spec/accept.py); NaN/Inf or an exception fails that request alone.
+        extras: per request (target features, recurrent row states) of its verify rows."""
         out = []
         qs, parents = proposal.q or [None] * len(reqs), proposal.parents or [None] * len(reqs)
-        for r, raw, d, q, par, f in zip(reqs, logits, proposal.tokens, qs, parents, feats or [None] * len(reqs)):
+        for r, raw, d, q, par, (f, st) in zip(reqs, logits, proposal.tokens, qs, parents,
+                                              extras or [(None, None)] * len(reqs)):
             try:
                 res: AcceptResult = accept_request(r, raw, d, q, self.config.speculative_accept, par)
             except Exception as e:  # noqa: BLE001
@@ -255,7 +266,7 @@ class Engine:
             if res.error is not None:
                 self._fail(r, res.error)
                 continue
-            out.append(Committed(r, res, raw, f, len(d), verified))
+            out.append(Committed(r, res, raw, f, len(d), verified, st))
         return out
 
     def _fail_exc(self, r: Request, stage: str, e: Exception) -> None:

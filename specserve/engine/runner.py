@@ -7,13 +7,15 @@ from __future__ import annotations
 import torch
 
 from ..cache.kv_pool import KVPool
-from ..models.forward_batch import build_forward_batch
+from ..cache.state_pool import StatePool
+from ..models.forward_batch import StateBatch, build_forward_batch
 from ..models.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVPool) -> None:
+    def __init__(self, model: LlamaModel, kv: KVPool, states: StatePool | None = None) -> None:
         self.model, self.kv = model, kv
+        self.states = states  # hybrid models: the recurrent-state slots beside the KV pool
 
     def _slots(self, page_table: list[int], start: int, end: int) -> list[int]:
         ps = self.kv.page_size
@@ -31,11 +33,14 @@ class ModelRunner:
         capture_layers: tuple[int, ...] = (),
         positions: list[list[int]] | None = None,
         masks: list[torch.Tensor] | None = None,
+        states: StateBatch | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Write KV for tokens[b] at positions starts[b].. and return, per request, the logits
         [len(logits_offsets[b]), V] at those offsets into tokens[b] (logits are computed only there).
         Trees: `positions` (RoPE) and `masks` ([n_b, starts[b] + n_b]) replace the causal defaults;
         the K/V still land in slots starts[b]...
+        `states` (hybrid models): where each request's recurrent state starts; the new states land in it
+        (read them with states.split); without it every request starts from zero state.
         NOTE: the caller has ensured page_tables cover starts[b] + len(tokens[b]) positions."""
         slot_lists, ctx_lists, logits_index = [], [], []
         base = 0
@@ -46,6 +51,7 @@ class ModelRunner:
             logits_index.extend(base + o for o in offs)
             base += len(toks)
         fb = build_forward_batch(tokens, starts, slot_lists, ctx_lists, logits_index, positions=positions, masks=masks)
+        fb.states = states
         hidden, captured = self.model(fb, self.kv.k, self.kv.v, capture_layers)
         logits = self.model.compute_logits(hidden) if len(logits_index) else hidden.new_zeros(0, 0)
         return list(logits.split([len(o) for o in logits_offsets])), captured

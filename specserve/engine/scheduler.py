@@ -2,8 +2,9 @@
 
 Each step: every running request past prefill decodes (its page table grown to hold its
 verify window); then prefill chunks fill `max_prefill_tokens`, partial prefills first, then new
-requests while fewer than `max_running_requests` run. Out of pages → the newest request is
-preempted (its pages return; it recomputes later); a new request waits.
+requests while fewer than `max_running_requests` run (hybrid targets: and a recurrent-state slot is
+free). Out of pages → the newest request is preempted (its pages and state slot return; it recomputes
+later); a new request waits.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..cache.kv_pool import KVPool, OutOfPages
+from ..cache.state_pool import StatePool
 from ..core import Request, Status
 
 
@@ -27,8 +29,8 @@ class Batch:
 
 class Scheduler:
     def __init__(self, kv: KVPool, max_prefill_tokens: int, max_running_requests: int,
-                 lookahead: Callable[[Request], int]) -> None:
-        self.kv = kv
+                 lookahead: Callable[[Request], int], states: StatePool | None = None) -> None:
+        self.kv, self.states = kv, states
         self.max_prefill_tokens = max_prefill_tokens
         self.max_running = max_running_requests
         self.lookahead = lookahead  # per request: draft tokens a verify window may add beyond the last token
@@ -52,9 +54,12 @@ class Scheduler:
         return None
 
     def release(self, req: Request) -> None:
-        """Return a request's pages; called at finish, abort and preemption."""
+        """Return a request's pages and state slot; called at finish, abort and preemption."""
         self.kv.release(req.page_table)
         req.committed_len = 0
+        if self.states is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None
 
     def finish(self, req: Request) -> None:
         if req in self.running:
@@ -115,9 +120,14 @@ class Scheduler:
         n = min(req.prefill_target - req.committed_len, budget)
         if n <= 0:
             return 0
+        fresh_slot = self.states is not None and req.state_slot is None
+        if fresh_slot and not self.states.num_free:
+            return 0  # admitted only with a recurrent-state slot
         try:
             self.kv.ensure(req.page_table, req.committed_len + n)
         except OutOfPages:
             return 0
+        if fresh_slot:
+            req.state_slot = self.states.alloc()
         batch.prefills.append((req, n))
         return n

@@ -8,7 +8,7 @@ of the pure-torch reference attention is derived on demand (`padded`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -39,6 +39,7 @@ class ForwardBatch:
     mask: torch.Tensor | None  # trees: packed [n_b, L_b] bool masks (True = may attend), replace causal
     mask_start: torch.Tensor | None  # [B] int64, offset of request b's mask in `mask`
     logits_index: torch.Tensor | None  # [N] packed indices that need logits; None = all tokens
+    states: "StateBatch | None" = None  # hybrid targets: recurrent state in and out (None: start from zeros)
 
     @property
     def num_tokens(self) -> int:
@@ -142,3 +143,38 @@ def build_forward_batch(
         mask_start=mask_start,
         logits_index=None if logits_index is None else torch.tensor(logits_index, dtype=torch.long),
     )
+
+
+@dataclass
+class StateBatch:
+    """Recurrent-layer state of one forward (hybrid targets): where each request's state starts and
+    which verify row's state the caller may keep.
+
+    Inputs: `conv`/`rec` are the persistent pool tensors per recurrent layer (read, never written
+    here); `slots[b]` is request b's slot (−1: start from zeros); `parents` (packed [T], local row
+    index, −1 = the request's committed state) makes tree rows follow their own root path; None =
+    chain. `keep_rows`: keep the state after every row (verify: the commit picks the accepted row);
+    False: only after each request's last row (prefill chunks, which are committed whole).
+    Outputs, per recurrent layer, filled by the model: `conv_out`/`rec_out` [T or B, ...].
+    NOTE: a forward never writes a pool slot; the commit stage copies the chosen row into it."""
+    conv: list[torch.Tensor]  # per recurrent layer [slots, K - 1, C]
+    rec: list[torch.Tensor]  # per recurrent layer [slots, Hv, dk, dv]
+    slots: list[int]
+    parents: torch.Tensor | None = None
+    keep_rows: bool = False
+    conv_out: list[torch.Tensor] = field(default_factory=list)
+    rec_out: list[torch.Tensor] = field(default_factory=list)
+
+    def split(self, lengths: list[int]) -> list["RowStates"]:
+        """Per request: its rows' states (keep_rows) or its last row's, every recurrent layer."""
+        per = lengths if self.keep_rows else [1] * len(lengths)
+        conv = [c.split(per) for c in self.conv_out]
+        rec = [r.split(per) for r in self.rec_out]
+        return [RowStates([c[b] for c in conv], [r[b] for r in rec]) for b in range(len(lengths))]
+
+
+@dataclass
+class RowStates:
+    """One request's recurrent state after each kept row, per recurrent layer ([n, ...] each)."""
+    conv: list[torch.Tensor]
+    rec: list[torch.Tensor]

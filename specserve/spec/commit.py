@@ -4,15 +4,15 @@ Each request arrives as a `Committed` (its accept result and the verify rows it 
 goes through `CommitStage.steps` in order:
   KeepPath    truncate the proposal to what is kept: chains and ragged windows keep rows 0..n as
               they are; a tree's accepted path is moved (KV rows and verify rows) right after the root
+  CommitState (hybrid targets) the request's state slot takes the recurrent state after the last kept
+              row (row n of a chain, the accepted path's last node of a tree): verify never wrote it
   AdvanceKV   committed_len += accepted + 1: the KV of the last token and the accepted drafts is final
   Emit        the tokens one by one through the stop scan (EOS, stop ids/strings, max_tokens,
               context); per-request and engine-wide acceptance stats count only what was emitted
   DraftState  drafter.commit with the committed rows' target features (one call for the batch)
 A request's grammar matcher advances inside Emit, token by token after the stop scan
 (engine/output.py), so that a grammar's end cuts the run exactly where a stop string would.
-Extension point: a later step is a `CommitStep` inserted at its place in `steps`, e.g. recurrent
-target state selecting the accepted path's state / replaying the kept tokens (after KeepPath,
-before AdvanceKV). A step that raises for a request fails that request alone; later steps
+Extension point: a later step is a `CommitStep` inserted at its place in `steps`. A step that raises for a request fails that request alone; later steps
 skip it (per-request steps run one request at a time; batched steps are retried one by one).
 The first token after a prefill passes through the same steps with `verified=False` (nothing was
 verified: no KV to advance, no draft state to commit).
@@ -26,10 +26,12 @@ from typing import Callable
 import torch
 
 from ..cache.kv_pool import KVPool
+from ..cache.state_pool import StatePool
 from ..core import AcceptResult, Request, SpecStats, count_per_pos
 from ..drafters.base import Drafter
 from ..engine.isolate import isolate
 from ..engine.output import Emitter
+from ..models.forward_batch import RowStates
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Committed:
     feats: torch.Tensor | None  # target features of the same rows (drafters with aux layers)
     num_draft: int  # draft tokens verified
     verified: bool = True
+    states: RowStates | None = None  # hybrid targets: recurrent state after each verify row
     emitted: int = 0  # tokens emitted (the stop scan may cut the accepted run)
     failed: bool = False
 
@@ -71,6 +74,21 @@ class KeepPath(CommitStep):
             rows = torch.tensor([0] + [v + 1 for v in path])
             c.logits = c.logits[rows]
             c.feats = None if c.feats is None else c.feats[rows]
+
+
+class CommitState(CommitStep):
+    """The recurrent state of the accepted prefix into the request's slot. NOTE: rows are the verify
+    window's (row 0 = the last committed token); rejected rows' states are simply dropped."""
+
+    def __init__(self, pool: StatePool) -> None:
+        self.pool = pool
+
+    def apply(self, items: list[Committed]) -> None:
+        for c in items:
+            if c.verified and c.states is not None:
+                path = c.result.path
+                row = (path[-1] + 1 if path else 0) if path is not None else c.result.num_accepted
+                self.pool.write(c.req.state_slot, c.states, row)
 
 
 class AdvanceKV(CommitStep):

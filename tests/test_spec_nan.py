@@ -27,13 +27,13 @@ def test_nan_in_verify_fails_only_that_request(algo: str | None, verify_mode: st
     hits = []
 
     def nan_verify(runner, reqs, proposal, mode="compact", aux=()):  # noqa: ANN001, ANN202
-        logits, feats = real_verify(runner, reqs, proposal, mode, aux)
+        logits, feats, states = real_verify(runner, reqs, proposal, mode, aux)
         for i, r in enumerate(reqs):
             if r.request_id == victim and len(r.output_ids) >= 4:
                 logits[i] = logits[i].clone()
                 logits[i][-1, 3] = float("nan")  # the bonus row only: the drafts' rows look fine
                 hits.append(len(r.output_ids))
-        return logits, feats
+        return logits, feats, states
 
     monkeypatch.setattr(engine_mod, "verify", nan_verify)
     llm = make_llm(model, algo, 6, rate=0.9, page_size=4)

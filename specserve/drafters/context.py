@@ -9,6 +9,7 @@ prefill chunks and for the committed rows of each verify window (never for rejec
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,9 @@ from ..cache.state_pool import StatePool
 from ..config import EngineConfig
 from ..models import LlamaModel, resolve_dtype
 from ..models.config import ModelConfig
+
+
+log = logging.getLogger("specserve")
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -46,17 +50,22 @@ class KVBudget:
         return KVPool(draft, self.reserve(draft, dtype), self.page_size, dtype)
 
     def state_pool(self, cfg: ModelConfig, dtype: torch.dtype, slots: int) -> StatePool:
-        """A recurrent-state pool of `slots` slots for a hybrid model, taken off the budget first
-        (its size does not depend on context length)."""
+        """A recurrent-state pool for a hybrid model, taken off the budget before any KV pool (its size does
+        not depend on context length): `slots` slots (one per request that may run), fewer if they would
+        take more than half of what is left; at least one, or a ValueError naming the flag."""
         from ..models.qwen3_5 import state_dtype
 
         sdt = state_dtype(dtype)
-        need = slots * StatePool.bytes_per_slot(cfg, sdt)
-        if need >= self.remaining:
-            raise ValueError(f"--kv-cache-memory: {self.remaining} bytes left cannot hold {slots} recurrent-state "
-                             f"slots of {need // slots} bytes (one per --max-running-requests) plus KV pages")
-        self.remaining -= need
-        return StatePool(cfg, slots, sdt)
+        per = StatePool.bytes_per_slot(cfg, sdt)
+        n = min(slots, self.remaining // 2 // per)
+        if n < 1:
+            raise ValueError(f"--kv-cache-memory: {self.remaining} bytes left cannot hold one recurrent-state slot "
+                             f"of {per} bytes plus KV pages")
+        if n < slots:
+            log.warning("recurrent state: %d slots of %d bytes fit half the KV budget; at most %d requests run "
+                        "at once (--max-running-requests %d)", n, per, n, slots)
+        self.remaining -= n * per
+        return StatePool(cfg, n, sdt)
 
 
 @dataclass

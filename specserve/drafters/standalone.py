@@ -49,9 +49,13 @@ class StandaloneDrafter(Drafter):
 
     def _st(self, req: Request) -> _DraftState:
         st = self.state.setdefault(req.request_id, _DraftState())
-        if self.runner.states is not None and st.slot is None:
-            st.slot = self.runner.states.alloc()
+        if self.runner.states is not None and st.slot is None and self.runner.states.num_free:
+            st.slot, st.done = self.runner.states.alloc(), 0  # a fresh slot: catch up from the start
         return st
+
+    def _ready(self, st: _DraftState) -> bool:
+        """A hybrid draft model drafts only for requests holding a state slot (else: plain decoding)."""
+        return self.runner.states is None or st.slot is not None
 
     def _states(self, sts: list[_DraftState], keep_rows: bool) -> StateBatch | None:
         pool = self.runner.states
@@ -74,7 +78,7 @@ class StandaloneDrafter(Drafter):
         todo = []
         for req, start, n in chunks:
             st = self._st(req)
-            if st.done != start:
+            if st.done != start or not self._ready(st):
                 continue  # out of step (e.g. after a draft OOM): propose catches up lazily
             try:
                 self.kv.ensure(st.page_table, start + n)
@@ -111,7 +115,7 @@ class StandaloneDrafter(Drafter):
         active = []
         for b, (req, w) in enumerate(zip(reqs, window)):
             st = self._st(req)
-            if w <= 0:
+            if w <= 0 or not self._ready(st):
                 continue
             try:
                 self.kv.ensure(st.page_table, req.seq_len + w - 1)

@@ -47,6 +47,9 @@ def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None 
 
     blocks: dict | None = {} if quantization else None
     cfg, state_dict, tokenizer = load_checkpoint(name_or_path, dtype, blocks)
+    if quantization and cfg.is_hybrid:
+        raise ValueError(f"--quantization {quantization}: not supported for {cfg.architecture} (hybrid recurrent) "
+                         f"targets; serve them unquantized (--dtype float32, bfloat16 or float64)")
     model = model_class(cfg.architecture)(cfg, dtype)
     model.load_weights(state_dict)
     del state_dict

@@ -111,6 +111,8 @@ def _qwen3_5_from_hf(cfg: dict[str, Any], name: str) -> ModelConfig:
         "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0 else "linear_attention" for i in range(n)]
     if len(types) != n or any(t not in _LAYER_TYPES for t in types):
         raise ValueError(f"config.json layer_types must list {n} entries from {_LAYER_TYPES}, got {types!r}")
+    if "full_attention" not in types:
+        raise ValueError("config.json layer_types: a qwen3_5 model needs at least one full_attention layer")
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"unsupported rope_parameters.rope_type {rope.get('rope_type')!r} for qwen3_5; supported: default")

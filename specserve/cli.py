@@ -150,6 +150,10 @@ def cmd_serve(a: argparse.Namespace) -> None:
         resolve_model_path(cfg.model)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specserve: error: {e}") from None
+    if cfg.node_rank > 0:  # another machine of a multi-node --tp-size: only its forward workers
+        from .dist.worker import run_node
+
+        raise SystemExit(run_node(cfg))
     from .server.app import run_server
 
     raise SystemExit(run_server(cfg, scfg))

@@ -40,6 +40,13 @@ class EngineConfig:
     max_running_requests: int = _f(64, "max requests decoding at once")
     seed: int = _f(0, "engine seed; unseeded requests draw their seeds from it")
     num_threads: int | None = _f(None, "torch intra-op threads (default: torch's choice)")
+    tp_size: int = _f(1, "tensor-parallel ranks (Megatron layout over torch.distributed, gloo on CPU): rank 0 runs the "
+                      "engine, scheduler, drafter and server, every rank its shard of the target forward")
+    dist_init_addr: str | None = _f(None, "host:port where the tensor-parallel ranks meet (default: a free port on "
+                                    "127.0.0.1; required with --nnodes > 1)")
+    nnodes: int = _f(1, "machines the --tp-size ranks span (each runs tp_size / nnodes of them)")
+    node_rank: int = _f(0, "this machine's index among --nnodes: 0 runs the engine and the server, others only "
+                        "their ranks' forward workers")
     grammar_backend: str = _f("llguidance", "structured output backend (response_format json_object/json_schema, "
                               "json_schema, regex, ebnf): llguidance, or xgrammar (pip install 'specserve[xgrammar]')",
                               ("llguidance", "xgrammar"))
@@ -99,6 +106,7 @@ class EngineConfig:
             if ch and getattr(self, f.name) is not None and getattr(self, f.name) not in ch:
                 raise ValueError(f"--{flag(f.name)}: {getattr(self, f.name)!r} is not one of {', '.join(ch)}")
         for name in ("page_size", "max_prefill_tokens", "max_running_requests", "speculative_ngram_min_match",
+                     "tp_size", "nnodes",
                      "speculative_draft_attention_window"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -109,6 +117,16 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not lo <= v <= hi:
                 raise ValueError(f"--{flag(name)} must be in [{lo}, {hi}], got {v}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes - 1}] (--nnodes {self.nnodes}), got {self.node_rank}")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
+        elif self.nnodes > 1:
+            raise ValueError("--dist-init-addr host:port is required with --nnodes > 1 (where rank 0 listens)")
         if self.speculative_block_size is not None and self.speculative_block_size < 2:
             raise ValueError(f"--speculative-block-size must be >= 2 (an anchor and at least one MASK), "
                              f"got {self.speculative_block_size}")

@@ -93,6 +93,11 @@ class SamplingParams:
         return GrammarSpec.from_params(self) is not None
 
 
+class FatalEngineError(RuntimeError):
+    """The engine cannot go on (a tensor-parallel rank died): every request in flight fails with this
+    message, nothing is retried per request, and a server reports unhealthy and exits."""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -76,6 +76,11 @@ class KVPool:
         self.allocator.free([p for p in page_table if p >= 0])
         page_table.clear()
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots `src` to slots `dst` in every layer (sources read before any write)."""
+        for cache in self.k + self.v:
+            cache.index_copy_(0, dst, cache[src])
+
     def free_below(self, page_table: list[int], position: int) -> None:
         """Free the pages holding only positions < `position` (a sliding window never reads them
         again); their entries become −1, so later positions keep their page index."""

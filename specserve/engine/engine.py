@@ -45,6 +45,16 @@ from .scheduler import Scheduler
 log = logging.getLogger("specserve")
 
 
+def _loadable(name: str) -> bool:
+    from ..models.loader import resolve_model_path
+
+    try:
+        resolve_model_path(name)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None, tokenizer=None) -> None:  # noqa: ANN001
         if config.num_threads:
@@ -68,11 +78,18 @@ class Engine:
         if config.speculative_algorithm:  # NOTE: the drafter reserves its pool before the target's is sized
             ctx = DrafterContext(config, model, tokenizer, budget, self.policy.floor)
             self.drafter = create_drafter(config.speculative_algorithm, ctx)
-        pages = KVPool.pages_for_budget(mcfg, budget.remaining, config.page_size, self.dtype)
+        self.tp = self._start_tensor_parallel(config, mcfg) if config.tp_size > 1 else None
+        # NOTE: under TP each rank's pool holds its KV heads only; rank 0's shard is the largest
+        kv_cfg = self.tp.model.cfg if self.tp else mcfg
+        pages = KVPool.pages_for_budget(kv_cfg, budget.remaining, config.page_size, self.dtype)
         if pages < 1:
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory!r} is too small for one KV page of this model")
-        self.kv = KVPool(mcfg, pages, config.page_size, self.dtype)
-        self.runner = ModelRunner(model, self.kv, self.states)
+        if self.tp:
+            self.kv = self.tp.kv_pool(pages)
+            self.runner = self.tp.runner(self.kv)
+        else:
+            self.kv = KVPool(mcfg, pages, config.page_size, self.dtype)
+            self.runner = ModelRunner(model, self.kv, self.states)
         # target layers whose hidden states the drafter consumes; () = capture nothing
         self.aux_layers: tuple[int, ...] = self.drafter.aux_layers if self.drafter else ()
         k = config.speculative_num_draft_tokens
@@ -98,6 +115,26 @@ class Engine:
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # failed during the current step
+
+    def _start_tensor_parallel(self, config: EngineConfig, mcfg: ModelConfig):  # noqa: ANN202
+        """Rank 0 of --tp-size ranks: workers hold the other shards (dist/). The unsharded model stays here
+        for what drafters share with the target (embedding, head, norm) and for the tokenizer."""
+        from ..dist.driver import TPDriver
+        from ..dist.shard import Layout
+
+        Layout.make(mcfg, 0, config.tp_size)  # refuse unsupported models before starting any process
+        if config.node_rank != 0:
+            raise ValueError(f"--node-rank {config.node_rank}: only node 0 runs the engine (others: specserve serve "
+                             "--node-rank N starts their workers)")
+        if not _loadable(config.model):
+            raise ValueError(f"--tp-size {config.tp_size}: workers load the target from a file; {config.model!r} "
+                             "is not a checkpoint path or alias")
+        return TPDriver(config)
+
+    def close(self) -> None:
+        """Release what outlives the engine object: tensor-parallel worker processes."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- requests ----
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:

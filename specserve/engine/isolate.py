@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, TypeVar
 
+from ..core import FatalEngineError
+
 T = TypeVar("T")
 R = TypeVar("R")
 log = logging.getLogger("specserve")
@@ -18,6 +20,8 @@ def isolate(fn: Callable[[list[T]], list[R]], items: list[T], fail: Callable[[T,
         return []
     try:
         return list(zip(items, fn(items)))
+    except FatalEngineError:
+        raise  # the engine itself is broken (a tensor-parallel rank died): no request is to blame
     except Exception as e:  # noqa: BLE001 - find the culprit below
         if len(items) == 1:
             fail(items[0], e)
@@ -27,6 +31,8 @@ def isolate(fn: Callable[[list[T]], list[R]], items: list[T], fail: Callable[[T,
     for it in items:
         try:
             out += zip([it], fn([it]))
+        except FatalEngineError:
+            raise
         except Exception as e:  # noqa: BLE001
             fail(it, e)
     return out

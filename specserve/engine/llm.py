@@ -45,6 +45,16 @@ class LLM:
         self.config = self.engine.config  # AUTO resolved to the drafter actually used
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop what the engine started (tensor-parallel workers; also done at interpreter exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
         """Build from a resolved EngineConfig (the CLI and benchmarks)."""

@@ -6,6 +6,7 @@ One module for all three: the differences are config switches. Projections are f
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,9 @@ from .config import ModelConfig
 from . import fused
 from .forward_batch import ForwardBatch
 from .quant import linear
+
+if TYPE_CHECKING:
+    from ..dist.comm import TensorParallel
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -91,6 +95,10 @@ class DecoderLayer(nn.Module):
         self.post_norm = e(h)
         self.gate_up_w = e(2 * cfg.intermediate_size, h)
         self.down_w = e(h, cfg.intermediate_size)
+        self.tp: "TensorParallel | None" = None  # a tensor-parallel shard: row-parallel outputs are all-reduced
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.tp is None else self.tp.all_reduce(t)
 
     def forward(
         self, x: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
@@ -100,10 +108,10 @@ class DecoderLayer(nn.Module):
         q, k, v = self._qkv(h)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, fb, k_cache, v_cache)
-        x = x + linear(o, self.o_w)
+        x = x + self._reduce(linear(o, self.o_w))
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
         gate, up = linear(h, self.gate_up_w).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_w)
+        return x + self._reduce(linear(F.silu(gate) * up, self.down_w))
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Packed rows [T, H] → q [T, nq, hd], k, v [T, nkv, hd] (Qwen3: q/k RMS-normed per head)."""
@@ -122,8 +130,9 @@ class DecoderLayer(nn.Module):
         ops = torch.ops.specserve
         q, k, v = self._qkv(h)
         ops.rope_kv_write(q, k, v, cos, sin, fb.positions, k_cache, v_cache, fb.slot_mapping)
-        h = ops.add_rms_norm(x, linear(fused.attention(q, fb, k_cache, v_cache), self.o_w), self.post_norm, self.eps)
-        return linear(ops.silu_mul(linear(h, self.gate_up_w)), self.down_w)
+        o = self._reduce(linear(fused.attention(q, fb, k_cache, v_cache), self.o_w))
+        h = ops.add_rms_norm(x, o, self.post_norm, self.eps)
+        return self._reduce(linear(ops.silu_mul(linear(h, self.gate_up_w)), self.down_w))
 
 
 class LlamaModel(nn.Module):
@@ -140,6 +149,10 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
+        self.tp: "TensorParallel | None" = None  # set by dist.attach on a tensor-parallel shard
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed) if self.tp is None else self.tp.embed(ids, self.embed)
 
     @torch.no_grad()
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
@@ -176,7 +189,7 @@ class LlamaModel(nn.Module):
         # poison one request's hidden rows, debugging) run the reference loop
         if fused.enabled() and not any(layer._forward_hooks for layer in self.layers):
             return self._forward_fused(fb, k_caches, v_caches, capture_layers)
-        x = F.embedding(fb.input_ids, self.embed)
+        x = self.embed_tokens(fb.input_ids)
         cos = self.cos_table[fb.positions].unsqueeze(1)
         sin = self.sin_table[fb.positions].unsqueeze(1)
         captured: list[torch.Tensor] = []
@@ -191,7 +204,7 @@ class LlamaModel(nn.Module):
     def _forward_fused(self, fb: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                        capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         ops, eps = torch.ops.specserve, self.cfg.rms_norm_eps
-        x = F.embedding(fb.input_ids, self.embed)  # a fresh tensor: the residual stream, updated in place
+        x = self.embed_tokens(fb.input_ids)  # a fresh tensor: the residual stream, updated in place
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         captured: list[torch.Tensor] = []
         n = len(self.layers)
@@ -210,4 +223,6 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 (or fp64 for fp64 models): sampling math never runs in bf16."""
         logits = linear(hidden, self.lm_head)
+        if self.tp is not None:  # vocab-parallel head: the full rows on rank 0 only (elsewhere empty)
+            logits = self.tp.gather_vocab(logits)
         return logits if logits.dtype == torch.float64 else logits.float()

@@ -125,7 +125,8 @@ def _is_type_tag(x: Any) -> bool:
 
 def run_server(config: EngineConfig, server_config: ServerConfig) -> int:
     """Start uvicorn; the model loads in the background (GET /health says 503 until it is ready).
-    Returns the exit status: 1 when the model failed to load."""
+    Returns the exit status: 1 when the model failed to load or the engine stopped (a tensor-parallel rank
+    died: the error names it)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -142,5 +143,10 @@ def run_server(config: EngineConfig, server_config: ServerConfig) -> int:
     holder["server"] = uv
     log.info("specserve %s: serving %s on http://%s:%d (speculative: %s)", __version__, config.model,
              server_config.host, server_config.port, config.speculative_algorithm or "off")
-    uv.run()
+    try:
+        uv.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its orderly shutdown (engine and workers stopped)
+        log.info("specserve: stopped on Ctrl-C")
+    if failed:
+        log.error("specserve: exiting: %s", failed[0])
     return 1 if failed else 0

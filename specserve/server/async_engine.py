@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..core import Request, SamplingParams, Status, TokenLogprob
+from ..core import FatalEngineError, Request, SamplingParams, Status, TokenLogprob
 from ..engine.llm import request_meta
 from .metrics import Metrics, StatsLogger
 
@@ -104,6 +104,20 @@ class AsyncEngine:
             return
         self.state = "ready"
         eng = self.engine
+        if getattr(eng, "tp", None) is not None:  # a worker that dies while we idle wakes the loop
+            eng.tp.on_failure.append(lambda msg: self._cmds.put(("fatal", msg)))
+        try:
+            self._loop(eng)
+        except FatalEngineError as e:
+            self._die(e)
+        finally:
+            eng.close()
+        if self.state == "failed":
+            self._drain_after_failure()
+        else:
+            self.state = "stopped"
+
+    def _loop(self, eng: Any) -> None:
         while not self._stopping:
             self._drain(block=not eng.has_unfinished())
             if self._stopping:
@@ -114,12 +128,21 @@ class AsyncEngine:
                     self.metrics.on_step(eng)
                 self._publish(touched)
                 self.stats_logger.maybe_log(eng)
+            except FatalEngineError:
+                raise
             except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
                 # NOTE: the step itself fails only the requests an exception concerns (engine/isolate.py);
                 # what reaches here broke the engine outside any request (scheduler, allocator)
                 log.exception("engine step failed outside any request; failing the requests in flight")
                 self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
-        self.state = "stopped"
+
+    def _die(self, e: FatalEngineError) -> None:
+        """The engine cannot go on: fail everything in flight, report unhealthy, tell the server to exit."""
+        log.error("engine stopped: %s", e)
+        self._fail_all(str(e))
+        self.state, self.load_error = "failed", str(e)
+        if self._on_load_failed:
+            self._on_load_failed(e)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -129,6 +152,8 @@ class AsyncEngine:
         while cmd is not None:
             if cmd[0] == "add":
                 self._add(*cmd[1:])
+            elif cmd[0] == "fatal":
+                raise FatalEngineError(cmd[1])
             else:
                 self._abort(cmd[1])
             try:
@@ -141,7 +166,7 @@ class AsyncEngine:
             cmd = self._cmds.get()
             if cmd is not None and cmd[0] == "add":
                 _, _, _, _, loop, fut = cmd
-                _call(loop, _resolve, fut, RuntimeError(f"model failed to load: {self.load_error}"))
+                _call(loop, _resolve, fut, RuntimeError(f"model not available: {self.load_error}"))
 
     def _add(self, seqs: list, ids: list[str], q: asyncio.Queue, loop: asyncio.AbstractEventLoop,
              fut: asyncio.Future) -> None:

@@ -32,7 +32,7 @@ class Server:
 
     def ready_engine(self) -> Any:
         if self.engine.state == "failed":
-            raise RequestError(None, f"model failed to load: {self.engine.load_error}", 503)
+            raise RequestError(None, f"model not available: {self.engine.load_error}", 503)
         if not self.engine.ready:
             raise RequestError(None, "Loading model", 503)
         return self.engine.engine

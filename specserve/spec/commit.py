@@ -167,5 +167,4 @@ def compact_path(kv: KVPool, page_table: list[int], root_pos: int, path: list[in
     slot = lambda p: page_table[p // ps] * ps + p % ps  # noqa: E731
     src = torch.tensor([slot(s) for s, _ in moves])
     dst = torch.tensor([slot(d) for _, d in moves])
-    for cache in kv.k + kv.v:
-        cache.index_copy_(0, dst, cache[src])
+    kv.move(src, dst)

@@ -111,7 +111,8 @@ class CostPolicy(WindowPolicy):
 
     def _key(self, runner: "ModelRunner") -> str:
         m = runner.model
-        return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}")
+        tp = f"-tp{m.tp.world}" if getattr(m, "tp", None) else ""  # a shard's step costs differ from the whole model's
+        return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}{tp}")
 
     def bind(self, runner: "ModelRunner", drafter: "Drafter") -> None:
         self.cost_model = CostModel.cached(runner, self._key(runner))

@@ -127,3 +127,11 @@ def test_unsplittable_models_are_refused() -> None:
 def test_flags(opts: dict, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         EngineConfig(**opts)
+
+
+def test_in_memory_model_refused_before_any_process() -> None:
+    from specserve.engine.llm import LLM
+    from tests.tiny import tiny_model
+
+    with pytest.raises(ValueError, match="--tp-size 2: workers load the target from a file"):
+        LLM.from_model(tiny_model(), tp_size=2)

@@ -28,7 +28,9 @@ def build_dir() -> Path:
     h = hashlib.sha256()
     for src in sources() + sorted(CSRC.glob("*.h")):
         h.update(src.name.encode() + src.read_bytes())
-    h.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
+    # NOTE: the checkout's path too: two checkouts with equal sources must not share a build (its
+    # build.ninja names their paths: each would rebuild the other's, and a killed build leaves a lock)
+    h.update(" ".join(CFLAGS).encode() + torch.__version__.encode() + str(CSRC.resolve()).encode())
     root = Path(os.environ.get("SPECSERVE_KERNEL_CACHE", Path.home() / ".cache" / "specserve" / "kernels"))
     d = root / h.hexdigest()[:16]
     d.mkdir(parents=True, exist_ok=True)

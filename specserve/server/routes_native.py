@@ -1,4 +1,4 @@
-"""Native routes: POST /generate (SGLang-style), /tokenize, /detokenize, GET /server_info."""
+"""Native routes: POST /generate (SGLang-style), /tokenize, /detokenize, GET /server_info, GET /model_info."""
 from __future__ import annotations
 
 import dataclasses
@@ -107,7 +107,11 @@ async def server_info(request: Request) -> Any:
     srv = server(request)
     scfg = dataclasses.asdict(srv.server_config)
     scfg["api_key"] = "***" if scfg["api_key"] else None
+    # served_model_name at the top level, where SGLang has it: SGLang's router names a worker's model from it
+    # (else the replica is registered as model "unknown"). No top-level model_path: from that the router
+    # would try to load a tokenizer (a Hugging Face download) that HTTP routing never uses.
     info: dict[str, Any] = {"version": __version__, "model_name": srv.model_name, "state": srv.engine.state,
+                            "served_model_name": srv.model_name,
                             "engine_config": dataclasses.asdict(srv.config), "server_config": scfg}
     eng = srv.engine.engine if srv.engine.ready else None
     if eng is not None:
@@ -131,3 +135,11 @@ async def server_info(request: Request) -> Any:
                                   "accepted_tokens_per_pos": list(s.accepted_tokens_per_pos),
                                   "acceptance_length": s.acceptance_length}
     return JSONResponse(info)
+
+
+@router.get("/model_info")
+async def model_info(request: Request) -> Any:
+    """SGLang's /model_info shape; SGLang's router asks each worker for it when it registers the worker.
+    tokenizer_path stays null: the tokenizer is inside the model, and a router that got a path would try to
+    load a tokenizer from a path that may exist only on the replica's machine."""
+    return {"model_path": server(request).config.model, "tokenizer_path": None, "is_generation": True}

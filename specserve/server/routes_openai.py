@@ -18,9 +18,16 @@ log = logging.getLogger("specserve.server")
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
 
+# SGLang's router re-serializes every body it forwards with these SGLang fields at these values, which change
+# nothing here (no reasoning parser, stop strings trimmed): no warning for them on every routed request.
+_SGLANG_NOOPS = {"no_stop_trim": False, "continue_final_message": False, "return_hidden_states": False,
+                 "separate_reasoning": True, "stream_reasoning": True}
+
+
 def _warn_extra(body: Any) -> None:
-    if body.model_extra:
-        log.warning("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
+    extra = [k for k, v in (body.model_extra or {}).items() if not (k in _SGLANG_NOOPS and v is _SGLANG_NOOPS[k])]
+    if extra:
+        log.warning("ignoring unknown request fields: %s", ", ".join(sorted(extra)))
 
 
 def _final_text(tok: Any, sp: Any, o: dict) -> str:

@@ -96,14 +96,14 @@ def test_learned_drafters_equal_plain_on_smollm2(algo: str, smollm2_drafters: di
         assert tau > 1.1, tau
 
 
-def test_shipped_dspark_is_the_cli_default() -> None:
+def test_shipped_dspark_with_lookups_is_the_cli_default() -> None:
     from specserve.cli import _default_drafter, build_parser
 
     a = build_parser().parse_args(["generate", "--prompt", "x"])
     _default_drafter(a)
     llm = LLM("smollm2-135m", speculative_algorithm=a.speculative_algorithm)
-    assert a.speculative_algorithm == "AUTO" and llm.engine.drafter.label == "DSPARK"
-    assert llm.config.speculative_algorithm == "DSPARK" and llm.engine.num_draft_tokens == 7
+    assert a.speculative_algorithm == "AUTO" and llm.engine.drafter.label == "HYBRID(NGRAM+DSPARK)"
+    assert llm.config.speculative_algorithm == "HYBRID" and llm.engine.num_draft_tokens == 7
     assert llm.config.speculative_window == "cost"
     assert LLM("smollm2-135m", speculative_algorithm="none").engine.drafter is None
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from specserve.config import EngineConfig
+
 from specserve import LLM, SamplingParams
 from specserve.core import Request
 from specserve.spec.cost import CostModel, DraftGate, StepOverhead, cost_windows
@@ -13,6 +15,7 @@ from .tiny import reference_greedy, tiny_model
 def _req(accepted: int, trials: int) -> Request:
     r = Request("r", [1], SamplingParams())
     r.spec_accepted_tokens, r.spec_trials = accepted, trials
+    r.source_trials[r.draft_source] = [accepted, trials]  # the acceptance the cost policy reads
     return r
 
 
@@ -57,12 +60,29 @@ def test_step_overhead_learns_per_request_cost_and_stops_drafting() -> None:
     oh = StepOverhead()
     for _ in range(20):
         oh.observe(elapsed=1.1, predicted=1.0, active=0)  # plain steps: 0.1 s the curves miss
-        oh.observe(elapsed=2.1, predicted=1.0, active=2)  # + 0.5 s per drafting request
-    assert oh.base == pytest.approx(0.1, rel=0.05) and oh.per_request == pytest.approx(0.5, rel=0.05)
+        oh.observe(elapsed=2.1, predicted=1.0, active=2, source="draft")  # + 0.5 s per drafting request
+    assert oh.base == pytest.approx(0.1, rel=0.05) and oh.per_request["draft"] == pytest.approx(0.5, rel=0.05)
     verify = CostModel([(1, 1.0), (64, 1.5)])
     reqs = [_req(6, 10), _req(6, 10)]
     assert cost_windows(reqs, [4, 4], verify)[0] != [0, 0]
-    assert cost_windows(reqs, [4, 4], verify, per_request=oh.per_request)[0] == [0, 0]
+    assert cost_windows(reqs, [4, 4], verify, per_request=oh.cost(reqs))[0] == [0, 0]
+
+
+def test_step_overhead_is_per_source() -> None:
+    """HYBRID: the learned drafter's forward makes its requests dear; a lookup request stays cheap."""
+    oh = StepOverhead(decay=0.5)
+    for _ in range(10):
+        oh.observe(elapsed=1.0, predicted=1.0, active=0)
+        oh.observe(elapsed=3.0, predicted=1.0, active=1, source="learned")
+        oh.observe(elapsed=1.01, predicted=1.0, active=1, source="lookup")
+    lookup, learned = _req(6, 10), _req(6, 10)
+    for r, src in ((lookup, "lookup"), (learned, "learned")):
+        r.draft_source = src
+        r.source_trials = {src: [6, 10]}
+    assert oh.cost([lookup, learned]) == pytest.approx([0.01, 2.0], rel=0.05)
+    verify = CostModel([(1, 1.0), (64, 1.5)])
+    assert cost_windows([lookup, learned], [4, 4], verify, per_request=oh.cost([lookup, learned]))[0][1] == 0
+    assert cost_windows([lookup, learned], [4, 4], verify, per_request=oh.cost([lookup, learned]))[0][0] > 0
 
 
 @pytest.mark.parametrize("algo,rate", [("NGRAM", None), ("SYNTHETIC", 0.9), ("SYNTHETIC", 0.0)])
@@ -73,7 +93,7 @@ def test_cost_policy_is_lossless_and_adapts(monkeypatch: pytest.MonkeyPatch, alg
     monkeypatch.setattr(CostModel, "cached", classmethod(
         lambda cls, runner, key, cache_dir=None: draft if key.startswith("draft-") else curve))
     # ...and so does opening the empirical gate (it compares real step times; tested on its own below)
-    monkeypatch.setattr(DraftGate, "allow", lambda self, batch: True)
+    monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": "open")
     m = tiny_model("llama")
     opts = dict(speculative_algorithm=algo, speculative_num_draft_tokens=6, speculative_window="cost")
     if rate is not None:
@@ -134,9 +154,45 @@ def test_draft_gate_follows_the_faster_arm_and_keeps_exploring(draft_s: float, p
     for _ in range(40):
         d = gate.allow(4)
         decisions.append(d)
-        gate.observe(4, d, (draft_s if d else plain_s) * 4, 4)  # seconds per token of the arm taken
-    assert decisions[:4] == [True, True, False, False]  # warm-up: each arm measured first
+        drafted = d != "closed"
+        gate.observe(4, "draft" if drafted else None, (draft_s if drafted else plain_s) * 4, 4)  # s/token of the arm
+    assert decisions[:4] == ["explore", "explore", "closed", "closed"]  # warm-up: each arm measured first
     later = decisions[10:]
-    assert sum(later) == (len(later) - sum(1 for s in range(11, 41) if s % 5 == 0) if expect_draft
-                          else sum(1 for s in range(11, 41) if s % 5 == 0))  # only exploration steps differ
+    flips = [s % 5 == 0 for s in range(11, 41)]  # exploration steps: the other arm is measured again
+    want = [("closed" if f else "open") if expect_draft else ("explore" if f else "closed") for f in flips]
+    assert later == want
     assert gate.bucket(3) == gate.bucket(4) == 4 and gate.bucket(1) == 1 and gate.bucket(5) == 8
+
+
+def test_draft_gate_judges_each_source_on_its_own() -> None:
+    """HYBRID: a free lookup that pays stays open while a learned drafter that costs more than it gains is
+    closed (explored, i.e. drafted in full to be measured again, only every `explore` steps)."""
+    gate = DraftGate(warmup=2, explore=5)
+    per_token = {"lookup": 0.02, "learned": 0.05, None: 0.03}
+    opened = {"lookup": [], "learned": []}
+    for step in range(60):
+        allowed = {s: gate.allow(1, s) for s in ("lookup", "learned")}
+        src = ("learned" if step % 2 else "lookup") if step < 30 else "learned"  # which one this request needs
+        for s in opened:
+            opened[s].append(allowed[s])
+        arm = src if allowed[src] != "closed" else None
+        gate.observe(1, arm, per_token[arm], 1)
+    later = {s: opened[s][10:] for s in opened}  # after warm-up; every 5th step of a source flips
+    assert later["lookup"].count("open") == len(later["lookup"]) - len(later["lookup"]) // 5  # pays: open
+    assert later["learned"].count("closed") == len(later["learned"]) - len(later["learned"]) // 5  # does not
+    assert later["learned"].count("explore") == len(later["learned"]) // 5
+
+
+def test_cost_policy_forces_full_windows_for_an_explored_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source the gate explores drafts its whole window even where the cost model (say, a one-off slow
+    step that inflated its overhead) would give it none; an open source still follows the cost model."""
+    from specserve.spec.policy import CostPolicy
+
+    pol = CostPolicy(EngineConfig(speculative_algorithm="NGRAM", speculative_window="cost"))
+    pol.cost_model, pol.draft_cost_model, pol.whole = CostModel([(1, 1.0), (64, 1.5)]), None, False
+    pol.drafter = type("D", (), {"sources": ("lookup", "learned")})()
+    pol.step_overhead.per_request = {"learned": 100.0, "lookup": 100.0}  # both look far too dear
+    a, b = _req(6, 10), _req(6, 10)
+    a.draft_source, b.draft_source = "lookup", "learned"
+    monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": {"lookup": "open"}.get(source, "explore"))
+    assert pol.plan([a, b], [4, 4]) == [0, 4] and pol.arm == "learned"

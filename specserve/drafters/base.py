@@ -44,6 +44,13 @@ class Drafter(ABC):
     #: pays for its whole window up front (DFlash/DSpark blocks: one forward; EAGLE-2 trees: their
     #: depth), so window policies that weigh cost choose windows after drafting, from the confidence.
     drafts_whole_window: bool = False
+    #: where a request's drafts come from, cheapest first (HYBRID: a free lookup, then a learned drafter);
+    #: the `cost` policy's gate measures and opens each source on its own
+    sources: tuple[str, ...] = ("draft",)
+
+    def draft_source(self, req: Request) -> str:
+        """Which of `sources` would draft for `req` this step (decided from committed tokens only)."""
+        return self.sources[-1]
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         """(request, start, num_tokens) target prefill chunks just run. Default: nothing to build."""
@@ -89,8 +96,10 @@ _CAP_FLAGS = {"block": ("speculative_block_size", "speculative_lattice_topk"),
 ALGORITHM_FLAGS = frozenset({n for names in _CAP_FLAGS.values() for n in names} | {
     "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_synthetic_accept_rate"})
 TREE_STEPS, TREE_NODES = 4, 8  # EAGLE-2 tree defaults: depth, nodes besides the root
-#: what AUTO resolves to when a drafter ships for the target (spec/resolve.py); its flags apply to AUTO
-AUTO_ALGORITHM = "DSPARK"
+#: what AUTO resolves to when a drafter ships for the target (spec/resolve.py); its flags apply to AUTO:
+#: prompt lookup where the context repeats, the shipped DSpark elsewhere, each gated on its own by `cost`
+AUTO_ALGORITHM = "HYBRID"
+AUTO_ARTIFACT = "dspark"  # the shipped learned drafter AUTO needs
 
 Factory = Callable[["DrafterContext"], Drafter]
 

@@ -22,6 +22,8 @@ LONG_MATCH = 3  # HYBRID's default --speculative-ngram-min-match
 
 
 class HybridDrafter(Drafter):
+    sources = ("lookup", "learned")
+
     def __init__(self, learned: LearnedDrafter, min_match: int, max_match: int) -> None:
         self.learned, self.min_match, self.max_match = learned, min_match, max_match
         self.label = f"HYBRID(NGRAM+{learned.label})"
@@ -33,8 +35,13 @@ class HybridDrafter(Drafter):
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         self.learned.prefill(chunks, feats)
 
+    def draft_source(self, req: Request) -> str:
+        return "lookup" if ngram_lookup(req.all_ids, self.min_match, self.max_match, 1) else "learned"
+
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
-        found = [ngram_lookup(r.all_ids, self.min_match, self.max_match, w) for r, w in zip(reqs, window)]
+        # NOTE: the engine set r.draft_source = draft_source(r) this step (a long match exists or not)
+        found = [ngram_lookup(r.all_ids, self.min_match, self.max_match, w) if r.draft_source == "lookup" else []
+                 for r, w in zip(reqs, window)]
         rest = [0 if f else w for f, w in zip(found, window)]
         parts = (self.learned.propose(reqs, rest) if any(rest) else Proposal.empty(len(reqs))).split()
         for b, f in enumerate(found):

@@ -248,6 +248,9 @@ class Engine:
 
     def _draft(self, reqs: list[Request]) -> tuple[list[Request], Proposal, int]:
         """(requests still running, their proposals cut to the verify windows, requests that drafted)."""
+        if self.drafter is not None:
+            for r in reqs:
+                r.draft_source = self.drafter.draft_source(r)
         windows = self.policy.plan(reqs, [self._limit(r) for r in reqs])
         forced = forced_drafts(reqs, windows, lambda r: self._limit(r, self.forced_draft_tokens))
         windows = [0 if r.request_id in forced else w for r, w in zip(reqs, windows)]  # those skip the drafter

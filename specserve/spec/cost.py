@@ -82,71 +82,92 @@ class CostModel:
 
 
 def acceptance_estimate(r: Request) -> float:
-    """Per-position acceptance: accepted drafts / positions tested (a rejection ends a chain)."""
-    return (r.spec_accepted_tokens + 1) / (r.spec_trials + 2)
+    """Per-position acceptance of the source drafting for r this step: accepted drafts / positions tested
+    (a rejection ends a chain), Beta(1, 1) prior. Per source, so HYBRID's lookups are not judged by its
+    learned drafter's record (or the reverse)."""
+    accepted, tested = r.source_trials.get(r.draft_source, (0, 0))
+    return (accepted + 1) / (tested + 2)
 
 
 @dataclass
 class StepOverhead:
     """What the measured curves miss, learned from real decode steps (EMA): a per-step residual of
-    steps where nobody drafted, and seconds per drafting request (draft lookup, per-request
-    acceptance, ragged attention) from steps where some did."""
+    steps where nobody drafted, and seconds per drafting request (draft lookup or forward, per-request
+    acceptance, ragged attention) from steps where some did — per draft source, since HYBRID's free
+    lookups must not be charged its learned drafter's forward (a step counts for its costliest source)."""
 
     base: float = 0.0
-    per_request: float = 0.0
+    per_request: dict[str, float] = field(default_factory=dict)
     decay: float = 0.8
 
-    def observe(self, elapsed: float, predicted: float, active: int) -> None:
+    def cost(self, reqs: list[Request]) -> list[float]:
+        """Seconds each request would add by drafting this step (its source's estimate)."""
+        return [self.per_request.get(r.draft_source, 0.0) for r in reqs]
+
+    def observe(self, elapsed: float, predicted: float, active: int, source: str | None = None) -> None:
         residual = elapsed - predicted
-        if active == 0:
+        if active == 0 or source is None:
             self.base = self.decay * self.base + (1 - self.decay) * residual
         else:
             per = max(0.0, (residual - self.base) / active)
-            self.per_request = self.decay * self.per_request + (1 - self.decay) * per
+            self.per_request[source] = self.decay * self.per_request.get(source, per) + (1 - self.decay) * per
 
 
 @dataclass
 class DraftGate:
-    """Empirical guard of the `cost` policy: per batch-size bucket (powers of two), an EMA of seconds
-    per emitted token over decode steps that drafted and over steps that did not. Once both are
-    measured, drafting is allowed only while it measures faster; the other arm is re-tried every
-    `explore` steps of that bucket, so a change of workload or context length is noticed. The cost
-    model still chooses the windows whenever drafting is allowed; the gate only catches what the
-    model misestimates (a drafter whose gain and cost nearly cancel), bounding the loss to the
-    exploration steps."""
+    """Empirical guard of the `cost` policy: per batch-size bucket (powers of two) and per draft source
+    (a drafter's `sources`: HYBRID has a free prompt lookup and a learned drafter that costs a forward),
+    an EMA of seconds per emitted token over decode steps whose costliest drafting source was that one,
+    and over steps that did not draft. Once both are measured, a source may draft only while it measures
+    faster than plain decoding; its closed arm is re-tried every `explore` steps of that bucket, so a
+    change of workload or context length is noticed. The cost model still chooses the windows whenever
+    drafting is allowed; the gate only catches what the model misestimates (a drafter whose gain and cost
+    nearly cancel), bounding the loss to the exploration steps. Gating per source keeps the free lookups
+    on while a learned drafter that does not pay is off."""
 
     warmup: int = 3
     explore: int = 20
     decay: float = 0.8
-    stats: dict = field(default_factory=dict)  # bucket → {"draft": [n, ema], "plain": [n, ema], "step": k}
+    stats: dict = field(default_factory=dict)  # bucket → {"plain": [n, ema], source: [n, ema], "steps": {source: k}}
 
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(0, batch - 1).bit_length()
 
-    def allow(self, batch: int) -> bool:
-        st = self.stats.setdefault(self.bucket(batch), {"draft": [0, 0.0], "plain": [0, 0.0], "step": 0})
-        st["step"] += 1
-        for arm in ("draft", "plain"):  # measure each arm first
-            if st[arm][0] < self.warmup:
-                return arm == "draft"
-        draft_wins = st["draft"][1] <= st["plain"][1]
-        return draft_wins != (st["step"] % self.explore == 0)
+    def _bucket(self, batch: int) -> dict:
+        return self.stats.setdefault(self.bucket(batch), {"plain": [0, 0.0], "steps": {}})
 
-    def observe(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
-        arm = self.stats.setdefault(self.bucket(batch), {"draft": [0, 0.0], "plain": [0, 0.0], "step": 0})[
-            "draft" if drafted else "plain"]
+    def allow(self, batch: int, source: str = "draft") -> str:
+        """"open" (the cost model plans the windows), "closed" (no drafts from this source), or "explore"
+        (draft the full window whatever the cost model says: the source's cost and acceptance get
+        measured, e.g. while warming up, or when a one-off slow step once made it look too dear)."""
+        st = self._bucket(batch)
+        arm = st.setdefault(source, [0, 0.0])
+        step = st["steps"][source] = st["steps"].get(source, 0) + 1
+        if arm[0] < self.warmup:  # measure each arm first
+            return "explore"
+        if st["plain"][0] < self.warmup:
+            return "closed"
+        flip = step % self.explore == 0
+        if arm[1] <= st["plain"][1]:
+            return "closed" if flip else "open"
+        return "explore" if flip else "closed"
+
+    def observe(self, batch: int, source: str | None, seconds: float, tokens: int) -> None:
+        """One decode step: `source` = the costliest source that drafted, None = nobody drafted."""
+        arm = self._bucket(batch).setdefault(source or "plain", [0, 0.0])
         x = seconds / max(tokens, 1)
         arm[1] = x if arm[0] == 0 else self.decay * arm[1] + (1 - self.decay) * x
         arm[0] += 1
 
 
 def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_step: CostModel | None = None,
-                 per_request: float = 0.0, gains: list[list[float]] | None = None) -> tuple[list[int], float]:
+                 per_request: float | list[float] = 0.0, gains: list[list[float]] | None = None
+                 ) -> tuple[list[int], float]:
     """Greedy maximisation of expected tokens per second (module docstring). With `draft_step`
     (a model drafter's forward time over m tokens), a step also pays draft_step(#drafting) for each
     draft position up to the longest window, since model drafters draft position by position;
-    `per_request` (StepOverhead) is charged for every drafting request.
+    `per_request` (StepOverhead: one value, or one per request) is charged for every drafting request.
     `gains[b][j]`: P(positions 1..j+1 accepted) (from `accept_curves`); default α_b^{j+1}.
     Returns the windows and the curves' predicted step time for them (without `per_request`)."""
     alphas = [min(acceptance_estimate(r), 0.999) for r in reqs]
@@ -158,19 +179,22 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
     def curves(n_tokens: int, active: int, longest: int) -> float:
         return cost(n_tokens) + (draft_step(active) * longest if draft_step is not None and longest else 0.0)
 
+    over = per_request if isinstance(per_request, list) else [per_request] * len(reqs)
     tokens = float(len(reqs))  # every request emits at least its bonus/correction token
-    n, active, longest = len(reqs), 0, 0
+    n, active, longest, charged = len(reqs), 0, 0, 0.0
     best = tokens / curves(n, active, longest)
+    done: set[int] = set()  # requests whose next position did not pay (their later ones gain less)
     while True:
         # largest marginal gain first; among equals, one that does not lengthen the longest window
-        cands = [(gain(b, k[b]), -(k[b] + 1 > longest), b) for b in range(len(reqs)) if k[b] < limits[b]]
+        cands = [(gain(b, k[b]), -(k[b] + 1 > longest), b) for b in range(len(reqs)) if k[b] < limits[b] and b not in done]
         if not cands:
             break
         g, _, b = max(cands)
-        a2, l2 = active + (k[b] == 0), max(longest, k[b] + 1)
-        ratio = (tokens + g) / (curves(n + 1, a2, l2) + per_request * a2)
-        if ratio <= best:
-            break
+        a2, l2, c2 = active + (k[b] == 0), max(longest, k[b] + 1), charged + (over[b] if k[b] == 0 else 0.0)
+        ratio = (tokens + g) / (curves(n + 1, a2, l2) + c2)
+        if ratio <= best:  # NOTE: not a stop: another request may be cheaper to open (per-source overheads)
+            done.add(b)
+            continue
         k[b] += 1
-        tokens, n, active, longest, best = tokens + g, n + 1, a2, l2, ratio
+        tokens, n, active, longest, charged, best = tokens + g, n + 1, a2, l2, c2, ratio
     return k, curves(n, active, longest)

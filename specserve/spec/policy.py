@@ -107,6 +107,9 @@ class CostPolicy(WindowPolicy):
         self.step_overhead = StepOverhead()
         self.draft_gate = DraftGate()
         self.whole = False  # the drafter pays for its whole window: plan who drafts, cut after drafting
+        self.drafter: "Drafter | None" = None
+        self.arm: str | None = None  # the costliest draft source planned this step (the gate's arm)
+        self.forced: list[bool] = []  # requests whose source the gate explores this step
         self.predicted = 0.0  # the curves' time for the windows chosen this step
 
     def _key(self, runner: "ModelRunner") -> str:
@@ -120,25 +123,44 @@ class CostPolicy(WindowPolicy):
         if draft_runner is not None:
             self.draft_cost_model = CostModel.cached(draft_runner, "draft-" + self._key(draft_runner))
         self.whole = drafter.drafts_whole_window
+        self.drafter = drafter
 
     def plan(self, reqs: list[Request], limits: list[int]) -> list[int]:
-        if not self.draft_gate.allow(len(reqs)):
-            limits = [0] * len(reqs)
-        plan, self.predicted = cost_windows(reqs, limits, self.cost_model, self.draft_cost_model,
-                                            self.step_overhead.per_request)
-        return [w if k else 0 for w, k in zip(limits, plan)] if self.whole else plan
+        sources = [r.draft_source for r in reqs]  # set by the engine before planning
+        gate = {s: self.draft_gate.allow(len(reqs), s) for s in dict.fromkeys(sources)}
+        self.forced = [gate[s] == "explore" for s in sources]  # full windows: measure this source
+        open_limits = [w if gate[s] == "open" else 0 for w, s in zip(limits, sources)]
+        plan, self.predicted = cost_windows(reqs, open_limits, self.cost_model, self.draft_cost_model,
+                                            self.step_overhead.cost(reqs))
+        if self.whole:  # the cost model picks who drafts; the window is cut after drafting
+            plan = [w if k else 0 for w, k in zip(limits, plan)]
+        plan = [w if f else k for w, k, f in zip(limits, plan, self.forced)]
+        if any(self.forced):
+            self.predicted = self._predict(plan)
+        drafting = [s for s, k in zip(sources, plan) if k]
+        self.arm = max(drafting, key=self.drafter.sources.index) if drafting else None  # the costliest one
+        return plan
 
     def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
         if not self.whole:
             return windows
         curves = accept_curves(reqs, proposal, windows)
-        out, self.predicted = cost_windows(reqs, [len(c) for c in curves], self.cost_model, None,
-                                           self.step_overhead.per_request, curves)
+        out, self.predicted = cost_windows(reqs, [0 if f else len(c) for c, f in zip(curves, self.forced)],
+                                           self.cost_model, None, self.step_overhead.cost(reqs), curves)
+        out = [len(c) if f else k for c, k, f in zip(curves, out, self.forced)]
+        if any(self.forced):
+            self.predicted = self._predict(out)
         return out
 
+    def _predict(self, windows: list[int]) -> float:
+        """The curves' time of a step verifying these windows (what StepOverhead compares with)."""
+        t = self.cost_model(sum(windows) + len(windows))
+        active, longest = sum(1 for w in windows if w), max(windows, default=0)
+        return t + (self.draft_cost_model(active) * longest if self.draft_cost_model is not None and longest else 0.0)
+
     def observe(self, stats: StepStats) -> None:
-        self.step_overhead.observe(stats.seconds, self.predicted, stats.drafted)
-        self.draft_gate.observe(stats.batch, stats.drafted > 0, stats.seconds, stats.emitted)
+        self.step_overhead.observe(stats.seconds, self.predicted, stats.drafted, self.arm)
+        self.draft_gate.observe(stats.batch, self.arm if stats.drafted else None, stats.seconds, stats.emitted)
 
 
 def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[list[float]]:

@@ -6,7 +6,7 @@ import dataclasses
 
 from ..config import EngineConfig
 from ..drafters.artifact import shipped_drafter
-from ..drafters.base import AUTO_ALGORITHM, default_window
+from ..drafters.base import AUTO_ALGORITHM, AUTO_ARTIFACT, default_window
 from ..models.config import ModelConfig
 
 
@@ -16,7 +16,7 @@ def resolve_config(config: EngineConfig, target: ModelConfig) -> EngineConfig:
         return config
     window = config.speculative_window or default_window(algo)
     if algo == "AUTO":
-        algo = AUTO_ALGORITHM if shipped_drafter(target, AUTO_ALGORITHM.lower()) is not None else None
+        algo = AUTO_ALGORITHM if shipped_drafter(target, AUTO_ARTIFACT) is not None else None
         if algo is None:  # nothing ships for this target: plain decoding
             return dataclasses.replace(config, speculative_algorithm=None)
     return dataclasses.replace(config, speculative_algorithm=algo, speculative_window=window)

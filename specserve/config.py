@@ -54,8 +54,8 @@ class EngineConfig:
                                     "up to this many of its forced tokens as drafts (verified like any draft, also "
                                     "without a drafter); 0 = off")
     speculative_algorithm: str | None = _f(None, "drafter: NGRAM, STANDALONE, EAGLE3 (EAGLE), MTP (NEXTN), DFLASH, "
-                                           "DSPARK, HYBRID (n-gram lookup on long matches, else the learned drafter), SYNTHETIC (tests/benchmarks only); NONE = plain decoding; AUTO = the drafter shipped for "
-                                           "the target (DSPARK) if any (the default of serve/generate/chat)")
+                                           "DSPARK, HYBRID (n-gram lookup on long matches, else the learned drafter), SYNTHETIC (tests/benchmarks only); NONE = plain decoding; AUTO = HYBRID over the DSpark "
+                                           "shipped for the target, if one ships (the default of serve/generate/chat)")
     speculative_draft_model_path: str | None = _f(None, "draft model for STANDALONE, or a drafter artifact dir for "
                                                   "EAGLE3/MTP/DFLASH/DSPARK (default: the one shipped for the target)")
     speculative_num_draft_tokens: int | None = _f(None, "draft tokens proposed per request per step (K; default 4, "

@@ -35,11 +35,11 @@ template <typename T, typename F> SS_INLINE F dot16(const F* q, const T* k, int6
 
 // The portable item: each (row, head) alone, in the order of attention_math.h.
 template <typename T, typename F>
-SS_INLINE int64_t item_portable(const Args<T>& a, const Rows& w, int64_t kvh, const F* qf, F* sc, F* acc,
+SS_INLINE int64_t item_portable(const Args<T>& a, const Rows& w, const F* qf, F* sc, F* acc,
                       const uint32_t* vis, int64_t nch, int64_t j00) {
-  const int64_t D = a.D, G = a.G;
+  const int64_t D = a.D, G = w.Gn;
   int64_t dots = 0;
-  auto row = [&](const T* base, int64_t j) { return base + a.slots[w.c0 + j] * a.ks0 + kvh * a.ks1; };
+  auto row = [&](const T* base, int64_t j) { return base + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1; };
   for (int64_t i = 0; i < w.R; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const F* q = qf + (i * G + g) * D;
@@ -61,7 +61,7 @@ SS_INLINE int64_t item_portable(const Args<T>& a, const Rows& w, int64_t kvh, co
           for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(e, static_cast<F>(v[d]), acc[d]);
         }
       const F s = tree16(lane), inv = s > 0 ? F(1) / s : F(0);  // no visible key: zeros, never 0/0
-      T* o = a.od + (w.r0 + i) * a.H * D + (kvh * G + g) * D;
+      T* o = a.od + (w.r0 + i) * a.H * D + (w.h0 + g) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] * inv);
     }
   return dots;
@@ -97,12 +97,13 @@ Impl best_impl() {  // the CPU's best, lowered by SPECSERVE_ATTN_IMPL=portable|a
   return std::min(cpu, want);
 }
 
-// One work item: rows [r0, r1) of request b (at most RB), kv head kvh, all G query heads of it.
+struct Work { int64_t b, r0, r1, kvh, g0, g1; };  // one work item (see Rows)
+
 template <typename T>
-int64_t item(const Args<T>& a, int64_t b, int64_t kvh, int64_t r0, int64_t r1, Impl impl) {
+int64_t item(const Args<T>& a, const Work& wk, Impl impl) {
   using F = typename Acc<T>::type;
-  const Rows w(a, b, r0, r1);
-  const int64_t D = a.D, G = a.G, RG = w.R * G;
+  const Rows w(a, wk.b, wk.r0, wk.r1, wk.kvh, wk.g0, wk.g1);
+  const int64_t D = a.D, G = w.Gn, RG = w.R * G;
   // chunks of 16 keys aligned to absolute positions: lane k ≡ position mod 16, whatever the block
   const int64_t j00 = w.lo < w.hi ? w.lo - ((w.f + w.lo) & 15) : 0;
   const int64_t nch = w.lo < w.hi ? (w.hi - j00 + 15) / 16 : 0, span = 16 * nch;
@@ -114,15 +115,37 @@ int64_t item(const Args<T>& a, int64_t b, int64_t kvh, int64_t r0, int64_t r1, I
   for (int64_t i = 0; i < w.R; ++i) {
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d)
-        qf[(i * G + g) * D + d] = static_cast<F>(a.qd[(r0 + i) * a.qs0 + (kvh * G + g) * a.qs1 + d]) * static_cast<F>(a.scale);
+        qf[(i * G + g) * D + d] = static_cast<F>(a.qd[(w.r0 + i) * a.qs0 + (w.h0 + g) * a.qs1 + d]) * static_cast<F>(a.scale);
     for (int64_t ch = 0; ch < nch; ++ch) vis[i * nch + ch] = w.visible16(a, i, j00 + 16 * ch);
   }
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<F, float>)
-    if (impl == AVX512 && D % 16 == 0) return item_avx512<T>(a, w, kvh, qf, acc, sc, stage, vis, nch, j00);
-  if (impl != PORTABLE) return item_portable_avx2<T, F>(a, w, kvh, qf, sc, acc, vis, nch, j00);
+    if (impl == AVX512 && D % 16 == 0) return item_avx512<T>(a, w, qf, acc, sc, stage, vis, nch, j00);
+  if (impl != PORTABLE) return item_portable_avx2<T, F>(a, w, qf, sc, acc, vis, nch, j00);
 #endif
-  return item_portable_base<T, F>(a, w, kvh, qf, sc, acc, vis, nch, j00);
+  return item_portable_base<T, F>(a, w, qf, sc, acc, vis, nch, j00);
+}
+
+// Work items: per request, its rows in even blocks of at most `rb`, then per kv head, then (only when
+// that leaves threads idle) halves of its query heads. Fewer rows or heads per item share fewer K/V
+// reads but keep both threads of a small batch busy; no (row, head)'s arithmetic depends on the split.
+std::vector<Work> plan(int64_t nreq, const int64_t* qs, int64_t KVH, int64_t G, int64_t threads) {
+  auto blocks = [&](int64_t rb) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < nreq; ++b) n += (qs[b + 1] - qs[b] + rb - 1) / rb;
+    return n;
+  };
+  int64_t rb = RB;
+  while (rb > 1 && blocks(rb) * KVH < 2 * threads) rb = (rb + 1) / 2;
+  const int64_t hg = threads > 1 && blocks(rb) * KVH < 2 * threads ? (G + 1) / 2 : G;
+  std::vector<Work> work;
+  for (int64_t b = 0; b < nreq; ++b) {
+    const int64_t n = qs[b + 1] - qs[b], nb = (n + rb - 1) / rb, per = nb ? (n + nb - 1) / nb : 0;
+    for (int64_t r = qs[b]; r < qs[b + 1]; r += per)
+      for (int64_t kvh = 0; kvh < KVH; ++kvh)
+        for (int64_t g = 0; g < G; g += hg) work.push_back({b, r, std::min(r + per, qs[b + 1]), kvh, g, std::min(g + hg, G)});
+  }
+  return work;
 }
 
 template <typename T>
@@ -134,18 +157,14 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, int64_
   const Args<T> a{q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), out.data_ptr<T>(), qs, qpos, slots, cs, first,
                   ms, mask, causal, window, H, D, KVH, G, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), scale};
   const Impl impl = best_impl();
-  // work items: (request, block of up to RB of its rows), then kv head
-  std::vector<std::pair<int64_t, int64_t>> blocks;  // (request, first row)
-  for (int64_t b = 0; b < nreq; ++b)
-    for (int64_t r = qs[b]; r < qs[b + 1]; r += RB) blocks.emplace_back(b, r);
-  std::atomic<int64_t> dots{0};
-  const int64_t nitems = static_cast<int64_t>(blocks.size()) * KVH;
-  at::parallel_for(0, nitems, 1, [&](int64_t lo, int64_t hi) {
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const std::vector<Work> work = plan(nreq, qs, KVH, G, threads);
+  const int64_t n = static_cast<int64_t>(work.size());
+  std::atomic<int64_t> next{0}, dots{0};
+  // each thread takes the next item until none is left (items differ in cost: ragged rows, contexts)
+  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
     int64_t my = 0;
-    for (int64_t it = lo; it < hi; ++it) {
-      const auto [b, r0] = blocks[it / KVH];
-      my += item<T>(a, b, it % KVH, r0, std::min<int64_t>(r0 + RB, qs[b + 1]), impl);
-    }
+    for (int64_t it; (it = next.fetch_add(1)) < n;) my += item<T>(a, work[it], impl);
     dots += my;
   });
   g_rows += q.size(0) * H;

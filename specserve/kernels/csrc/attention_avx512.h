@@ -58,23 +58,33 @@ SS_AVX512 SS_INLINE __m512 reduce16x16(const __m512* p) {
 // A chunk's K, staged as [D/16][16 slots][16 floats] (slot s holds key perm16(s); keys outside [lo, hi),
 // seen by no row of the item, are zeros): pass 1 then reads it with one pointer and fixed offsets.
 template <typename T>
-SS_AVX512 SS_INLINE void stage_k(const Args<T>& a, const Rows& w, int64_t kvh, int64_t j0, float* kst) {
+SS_AVX512 SS_INLINE void stage_k(const Args<T>& a, const Rows& w, int64_t j0, float* kst) {
   for (int s = 0; s < 16; ++s) {
     const int64_t j = j0 + perm16(s);
     const bool in = j >= w.lo && j < w.hi;
-    const T* src = in ? a.kd + a.slots[w.c0 + j] * a.ks0 + kvh * a.ks1 : nullptr;
+    const T* src = in ? a.kd + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1 : nullptr;
     for (int64_t d = 0; d < a.D; d += 16) _mm512_storeu_ps(kst + d * 16 + 16 * s, in ? load16(src + d) : _mm512_setzero_ps());
+  }
+}
+
+// Ask for the K or V rows of the chunk at j0 ahead of use: their slots are scattered over the pool, so the
+// hardware prefetcher cannot guess them.
+template <typename T>
+SS_AVX512 SS_INLINE void prefetch_chunk(const Args<T>& a, const Rows& w, const T* base, int64_t j0) {
+  for (int64_t j = std::max(j0, w.lo), e = std::min(j0 + 16, w.hi); j < e; ++j) {
+    const char* p = reinterpret_cast<const char*>(base + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1);
+    for (int64_t o = 0; o < a.D * static_cast<int64_t>(sizeof(T)); o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
   }
 }
 
 // A chunk's V rows (keys in [lo, hi) only; the others are never read): the pool rows themselves (fp32)
 // or converted once into `vst` (bf16).
 template <typename T>
-SS_AVX512 SS_INLINE void chunk_v(const Args<T>& a, const Rows& w, int64_t kvh, int64_t j0, float* vst, const float** rows) {
+SS_AVX512 SS_INLINE void chunk_v(const Args<T>& a, const Rows& w, int64_t j0, float* vst, const float** rows) {
   for (int k = 0; k < 16; ++k) {
     const int64_t j = j0 + k;
     if (j < w.lo || j >= w.hi) continue;
-    const T* src = a.vd + a.slots[w.c0 + j] * a.ks0 + kvh * a.ks1;
+    const T* src = a.vd + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1;
     if constexpr (std::is_same_v<T, float>) {
       rows[k] = src;
     } else {
@@ -113,9 +123,9 @@ SS_AVX512 SS_INLINE void acc_heads(float* const* ac, const float (*e)[16], uint3
 
 // Scratch (floats): qf[RG·D] acc[RG·D] scores[RG·16·nch] stage[16·D]; vis: per row and chunk, visible keys.
 template <typename T>
-SS_AVX512 int64_t item_avx512(const Args<T>& a, const Rows& w, int64_t kvh, const float* qf, float* acc, float* sc,
+SS_AVX512 int64_t item_avx512(const Args<T>& a, const Rows& w, const float* qf, float* acc, float* sc,
                               float* stage, const uint32_t* vis, int64_t nch, int64_t j00) {
-  const int64_t D = a.D, G = a.G, RG = w.R * G, span = 16 * nch;
+  const int64_t D = a.D, G = w.Gn, RG = w.R * G, span = 16 * nch;
   __m512 mx[RB * 8], sum[RB * 8];
   for (int64_t rg = 0; rg < RG; ++rg) mx[rg] = _mm512_set1_ps(-INFINITY), sum[rg] = _mm512_setzero_ps();
   auto seen = [&](int64_t ch) {  // does any row of the item see a key of chunk ch?
@@ -125,8 +135,9 @@ SS_AVX512 int64_t item_avx512(const Args<T>& a, const Rows& w, int64_t kvh, cons
   };
   // pass 1: scores of 16 keys per (row, head), lane-wise running max over the visible ones
   for (int64_t ch = 0; ch < nch; ++ch) {
+    prefetch_chunk(a, w, a.kd, j00 + 16 * (ch + 1));
     if (!seen(ch)) continue;
-    stage_k(a, w, kvh, j00 + 16 * ch, stage);
+    stage_k(a, w, j00 + 16 * ch, stage);
     for (int64_t rg = 0; rg < RG; ++rg) {
       const __mmask16 m = static_cast<__mmask16>(vis[(rg / G) * nch + ch]);
       if (!m) continue;
@@ -144,6 +155,7 @@ SS_AVX512 int64_t item_avx512(const Args<T>& a, const Rows& w, int64_t kvh, cons
       mx[rg] = _mm512_mask_max_ps(mx[rg], m, mx[rg], s16);
     }
   }
+  prefetch_chunk(a, w, a.vd, j00);
   float mrow[RB * 8];
   for (int64_t rg = 0; rg < RG; ++rg) mrow[rg] = _mm512_reduce_max_ps(mx[rg]);
   std::fill(acc, acc + RG * D, 0.0f);
@@ -152,8 +164,9 @@ SS_AVX512 int64_t item_avx512(const Args<T>& a, const Rows& w, int64_t kvh, cons
   alignas(64) float e[8][16];
   float* ac[8];
   for (int64_t ch = 0; ch < nch; ++ch) {
+    prefetch_chunk(a, w, a.vd, j00 + 16 * (ch + 1));
     if (!seen(ch)) continue;
-    chunk_v(a, w, kvh, j00 + 16 * ch, stage, rows);
+    chunk_v(a, w, j00 + 16 * ch, stage, rows);
     for (int64_t i = 0; i < w.R; ++i) {
       const uint32_t bits = vis[i * nch + ch];
       if (!bits) continue;
@@ -185,7 +198,7 @@ SS_AVX512 int64_t item_avx512(const Args<T>& a, const Rows& w, int64_t kvh, cons
     alignas(64) float lane[16];
     _mm512_store_ps(lane, sum[rg]);
     const float s = tree16(lane), inv = s > 0 ? 1.0f / s : 0.0f;
-    T* o = a.od + (w.r0 + i) * a.H * D + (kvh * G + g) * D;
+    T* o = a.od + (w.r0 + i) * a.H * D + (w.h0 + g) * D;
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc + rg * D + d), _mm512_set1_ps(inv));
       if constexpr (std::is_same_v<T, float>) {

@@ -41,10 +41,13 @@ template <typename T> struct Args {
 
 constexpr int64_t RB = 8;  // query rows of one request that share each K/V read (a work item's block)
 
-// The rows [r0, r1) of request b in one item: each row's visible context range and the union [lo, hi).
+// A work item: rows [r0, r1) of request b (at most RB), kv head kvh, its query heads g0 .. g0 + Gn − 1
+// (query head h0 + g); each row's visible context range and their union [lo, hi).
 struct Rows {
-  int64_t b, c0, L, f, r0, R, lo, hi, jlo[RB], jhi[RB];
-  template <typename T> Rows(const Args<T>& a, int64_t b_, int64_t r0_, int64_t r1) : b(b_), r0(r0_), R(r1 - r0_) {
+  int64_t b, kvh, h0, Gn, c0, L, f, r0, R, lo, hi, jlo[RB], jhi[RB];
+  template <typename T>
+  Rows(const Args<T>& a, int64_t b_, int64_t r0_, int64_t r1, int64_t kvh_, int64_t g0, int64_t g1)
+      : b(b_), kvh(kvh_), h0(kvh_ * a.G + g0), Gn(g1 - g0), r0(r0_), R(r1 - r0_) {
     c0 = a.cs[b], L = a.cs[b + 1] - c0, f = a.first[b], lo = L, hi = 0;
     for (int64_t i = 0; i < R; ++i) {
       const int64_t p = a.qpos[r0 + i];

@@ -2,163 +2,173 @@
 //
 // Request b owns query rows [q_start[b], q_start[b+1]) and context entries
 // [ctx_start[b], ctx_start[b+1]) of `ctx_slots` (KV pool slots, position ctx_first[b] + j).
-// Each (query row, head) is computed alone, keys in ascending order, with a fixed 16-lane dot
-// product: its arithmetic never depends on the batch, the other rows or the thread split
-// (batch invariance). NOTE: only visible keys are read, so a masked slot (another request's,
-// or beyond a sliding window) never enters the sum, not even as 0·V, and no padded query row exists.
+// Each (query row, head) follows the arithmetic fixed in attention_math.h (keys in ascending order,
+// 16-lane dots with a tree reduction, lane sums by position mod 16): it never depends on the batch, the
+// other rows or the thread split (batch invariance), and the AVX-512 item (attention_avx512.h) and the
+// portable item below give the same bits (SPECSERVE_ATTN_IMPL=portable|avx2 forces a lesser build; tests
+// compare them). NOTE: only visible keys are read into sums, so a masked slot (another request's, or
+// beyond a sliding window) never enters one, not even as 0·V, and no padded query row exists.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "attention_avx512.h"
+#include "attention_math.h"
+
 namespace {
+using namespace specserve_attn;
 
-std::atomic<int64_t> g_rows{0}, g_dots{0};  // (query row, head) pairs and q·k products computed
+std::atomic<int64_t> g_rows{0}, g_dots{0};  // (query row, head) pairs and visible q·k products
 
-template <typename T> inline float to_f(T v) { return static_cast<float>(v); }
-template <typename A> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
-
-#define SS_INLINE inline __attribute__((always_inline))
-
-template <typename T, typename F>
-SS_INLINE F dot(const F* q, const T* k, int64_t d) {
-  F lane[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16)
-    for (int l = 0; l < 16; ++l) lane[l] += q[i + l] * static_cast<F>(k[i + l]);
-  for (; i < d; ++i) lane[i & 15] += q[i] * static_cast<F>(k[i]);
-  F s = 0;
-  for (int l = 0; l < 16; ++l) s += lane[l];
-  return s;
+template <typename T, typename F> SS_INLINE F dot16(const F* q, const T* k, int64_t D) {
+  F lane[16];
+  for (int l = 0; l < 16; ++l) lane[l] = l < D ? q[l] * static_cast<F>(k[l]) : F(0);
+  for (int64_t i = 16; i < D; ++i) lane[i & 15] = std::fma(q[i], static_cast<F>(k[i]), lane[i & 15]);
+  return tree16(lane);
 }
 
-constexpr int64_t RB = 8;  // query rows of one request that share each K/V read
-
-template <typename T> struct Args {
-  const T *qd, *kd, *vd;
-  T* od;
-  const int64_t *qs, *qpos, *slots, *cs, *first, *ms;
-  const bool* mask;
-  bool causal;
-  int64_t window, H, D, KVH, G, qs0, qs1, ks0, ks1;
-  double scale;
-};
-
-// Rows [r0, r1) of request b, kv head kvh. NOTE: every (row, head) keeps its own max/sum/acc and sees
-// keys in ascending order through the same 16-lane dot: sharing a key's read between rows changes no
-// row's arithmetic, so the result is the one the row gets alone (batch- and window-invariant).
+// The portable item: each (row, head) alone, in the order of attention_math.h.
 template <typename T, typename F>
-SS_INLINE int64_t item(const Args<T>& a, int64_t b, int64_t kvh, int64_t r0, int64_t r1, F* qf, F* sc, F* acc) {
-  const int64_t D = a.D, G = a.G, c0 = a.cs[b], L = a.cs[b + 1] - c0, f = a.first[b], R = r1 - r0;
-  int64_t jlo[RB], jhi[RB], lo = L, hi = 0, dots = 0;
-  F mx[RB * 8], sum[RB * 8];
-  for (int64_t i = 0; i < R; ++i) {
-    const int64_t p = a.qpos[r0 + i];
-    jlo[i] = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1 - f) : 0;
-    jhi[i] = a.causal ? std::min<int64_t>(L, p - f + 1) : L;
-    lo = std::min(lo, jlo[i]);
-    hi = std::max(hi, jhi[i]);
+SS_INLINE int64_t item_portable(const Args<T>& a, const Rows& w, const F* qf, F* sc, F* acc,
+                      const uint32_t* vis, int64_t nch, int64_t j00) {
+  const int64_t D = a.D, G = w.Gn;
+  int64_t dots = 0;
+  auto row = [&](const T* base, int64_t j) { return base + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1; };
+  for (int64_t i = 0; i < w.R; ++i)
     for (int64_t g = 0; g < G; ++g) {
-      mx[i * G + g] = -INFINITY, sum[i * G + g] = F(0);
-      for (int64_t d = 0; d < D; ++d)
-        qf[(i * G + g) * D + d] = static_cast<F>(a.qd[(r0 + i) * a.qs0 + (kvh * G + g) * a.qs1 + d]) * static_cast<F>(a.scale);
-    }
-  }
-  const int64_t n = std::max<int64_t>(hi - lo, 0);
-  auto visible = [&](int64_t i, int64_t j) {
-    return j >= jlo[i] && j < jhi[i] && (!a.mask || a.mask[a.ms[b] + (r0 + i - a.qs[b]) * L + j]);
-  };
-  for (int64_t j = lo; j < hi; ++j) {
-    const T* k = a.kd + a.slots[c0 + j] * a.ks0 + kvh * a.ks1;
-    for (int64_t i = 0; i < R; ++i) {
-      if (!visible(i, j)) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const F s = dot<T, F>(qf + (i * G + g) * D, k, D);
-        sc[(i * G + g) * n + (j - lo)] = s;
-        if (s > mx[i * G + g]) mx[i * G + g] = s;
-      }
-      dots += G;
-    }
-  }
-  std::fill(acc, acc + R * G * D, F(0));
-  for (int64_t j = lo; j < hi; ++j) {
-    const T* v = a.vd + a.slots[c0 + j] * a.ks0 + kvh * a.ks1;
-    for (int64_t i = 0; i < R; ++i) {
-      if (!visible(i, j)) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t rg = i * G + g;
-        const F e = std::exp(sc[rg * n + (j - lo)] - mx[rg]);
-        sum[rg] += e;
-        F* ac = acc + rg * D;
-        for (int64_t d = 0; d < D; ++d) ac[d] += e * static_cast<F>(v[d]);
-      }
-    }
-  }
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t rg = i * G + g;
-      T* o = a.od + (r0 + i) * a.H * D + (kvh * G + g) * D;
-      const F inv = sum[rg] > 0 ? F(1) / sum[rg] : F(0);  // no visible key: zeros, never NaN from 0/0
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[rg * D + d] * inv);
+      const F* q = qf + (i * G + g) * D;
+      F mx = -INFINITY, lane[16] = {0};
+      for (int64_t ch = 0; ch < nch; ++ch)
+        for (uint32_t b = vis[i * nch + ch]; b; b &= b - 1) {
+          const int64_t k = 16 * ch + __builtin_ctz(b);
+          sc[k] = dot16(q, row(a.kd, j00 + k), D);
+          if (sc[k] > mx) mx = sc[k];
+          ++dots;
+        }
+      std::fill(acc, acc + D, F(0));
+      for (int64_t ch = 0; ch < nch; ++ch)
+        for (uint32_t b = vis[i * nch + ch]; b; b &= b - 1) {
+          const int64_t k = 16 * ch + __builtin_ctz(b);
+          const F e = exp_poly(sc[k] - mx);
+          lane[k & 15] = lane[k & 15] + e;
+          const T* v = row(a.vd, j00 + k);
+          for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(e, static_cast<F>(v[d]), acc[d]);
+        }
+      const F s = tree16(lane), inv = s > 0 ? F(1) / s : F(0);  // no visible key: zeros, never 0/0
+      T* o = a.od + (w.r0 + i) * a.H * D + (w.h0 + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] * inv);
     }
   return dots;
 }
 
-// The same item compiled for AVX-512 (chosen at run time): -ffp-contract=off and the fixed 16 lanes keep
-// every sum in the same order, so both builds give bit-identical results.
-#if defined(__x86_64__)
-template <typename T, typename F>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) int64_t item_avx512(
-    const Args<T>& a, int64_t b, int64_t kvh, int64_t r0, int64_t r1, F* qf, F* sc, F* acc) {
-  return item<T, F>(a, b, kvh, r0, r1, qf, sc, acc);
+template <typename F> std::vector<F>& scratch() {  // per thread, grown once, reused by every call
+  static thread_local std::vector<F> buf;
+  return buf;
 }
+
+// Which build of the item runs: the portable C++ as is (libm fma on x86-64 without FMA), the same C++
+// compiled for AVX2+FMA (auto-vectorized, fma inline), or the AVX-512 item. All three give the same bits.
+enum Impl { PORTABLE, AVX2, AVX512 };
+
+template <typename T, typename F, typename... A> int64_t item_portable_base(A... args) { return item_portable<T, F>(args...); }
+#if defined(__x86_64__)
+template <typename T, typename F, typename... A>
+__attribute__((target("avx2,fma"))) int64_t item_portable_avx2(A... args) { return item_portable<T, F>(args...); }
 #endif
-template <typename T, typename F>
-int64_t item_default(const Args<T>& a, int64_t b, int64_t kvh, int64_t r0, int64_t r1, F* qf, F* sc, F* acc) {
-  return item<T, F>(a, b, kvh, r0, r1, qf, sc, acc);
+
+Impl best_impl() {  // the CPU's best, lowered by SPECSERVE_ATTN_IMPL=portable|avx2 (read at call time: tests)
+#if defined(__x86_64__)
+  static const Impl cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+                              ? AVX512
+                          : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? AVX2
+                                                                                            : PORTABLE;
+#else
+  static const Impl cpu = PORTABLE;
+#endif
+  const char* e = std::getenv("SPECSERVE_ATTN_IMPL");
+  const Impl want = !e || !*e ? AVX512 : !std::strcmp(e, "portable") ? PORTABLE : !std::strcmp(e, "avx2") ? AVX2 : AVX512;
+  return std::min(cpu, want);
+}
+
+struct Work { int64_t b, r0, r1, kvh, g0, g1; };  // one work item (see Rows)
+
+template <typename T>
+int64_t item(const Args<T>& a, const Work& wk, Impl impl) {
+  using F = typename Acc<T>::type;
+  const Rows w(a, wk.b, wk.r0, wk.r1, wk.kvh, wk.g0, wk.g1);
+  const int64_t D = a.D, G = w.Gn, RG = w.R * G;
+  // chunks of 16 keys aligned to absolute positions: lane k ≡ position mod 16, whatever the block
+  const int64_t j00 = w.lo < w.hi ? w.lo - ((w.f + w.lo) & 15) : 0;
+  const int64_t nch = w.lo < w.hi ? (w.hi - j00 + 15) / 16 : 0, span = 16 * nch;
+  std::vector<F>& buf = scratch<F>();
+  const size_t need = RG * D * 2 + RG * span + 16 * D + RB * nch;  // floats; vis bits take RB·nch
+  if (buf.size() < need) buf.resize(need);
+  F *qf = buf.data(), *acc = qf + RG * D, *sc = acc + RG * D, *stage = sc + RG * span;
+  uint32_t* vis = reinterpret_cast<uint32_t*>(stage + 16 * D);  // sizeof(F) ≥ 4
+  for (int64_t i = 0; i < w.R; ++i) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d)
+        qf[(i * G + g) * D + d] = static_cast<F>(a.qd[(w.r0 + i) * a.qs0 + (w.h0 + g) * a.qs1 + d]) * static_cast<F>(a.scale);
+    for (int64_t ch = 0; ch < nch; ++ch) vis[i * nch + ch] = w.visible16(a, i, j00 + 16 * ch);
+  }
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<F, float>)
+    if (impl == AVX512 && D % 16 == 0) return item_avx512<T>(a, w, qf, acc, sc, stage, vis, nch, j00);
+  if (impl != PORTABLE) return item_portable_avx2<T, F>(a, w, qf, sc, acc, vis, nch, j00);
+#endif
+  return item_portable_base<T, F>(a, w, qf, sc, acc, vis, nch, j00);
+}
+
+// Work items: per request, its rows in even blocks of at most `rb`, then per kv head, then (only when
+// that leaves threads idle) halves of its query heads. Fewer rows or heads per item share fewer K/V
+// reads but keep both threads of a small batch busy; no (row, head)'s arithmetic depends on the split.
+std::vector<Work> plan(int64_t nreq, const int64_t* qs, int64_t KVH, int64_t G, int64_t threads) {
+  auto blocks = [&](int64_t rb) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < nreq; ++b) n += (qs[b + 1] - qs[b] + rb - 1) / rb;
+    return n;
+  };
+  int64_t rb = RB;
+  while (rb > 1 && blocks(rb) * KVH < 2 * threads) rb = (rb + 1) / 2;
+  const int64_t hg = threads > 1 && blocks(rb) * KVH < 2 * threads ? (G + 1) / 2 : G;
+  std::vector<Work> work;
+  for (int64_t b = 0; b < nreq; ++b) {
+    const int64_t n = qs[b + 1] - qs[b], nb = (n + rb - 1) / rb, per = nb ? (n + nb - 1) / nb : 0;
+    for (int64_t r = qs[b]; r < qs[b + 1]; r += per)
+      for (int64_t kvh = 0; kvh < KVH; ++kvh)
+        for (int64_t g = 0; g < G; g += hg) work.push_back({b, r, std::min(r + per, qs[b + 1]), kvh, g, std::min(g + hg, G)});
+  }
+  return work;
 }
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, int64_t nreq, const int64_t* qs,
          const int64_t* qpos, const int64_t* slots, const int64_t* cs, const int64_t* first,
          const bool* mask, const int64_t* ms, bool causal, int64_t window, double scale, at::Tensor& out) {
-  using F = typename Acc<T>::type;
   const int64_t H = q.size(1), D = q.size(2), KVH = kc.size(1), G = H / KVH;
   TORCH_CHECK(G <= 8, "paged_attention: at most 8 query heads per kv head");
   const Args<T> a{q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), out.data_ptr<T>(), qs, qpos, slots, cs, first,
                   ms, mask, causal, window, H, D, KVH, G, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), scale};
-  // work items: (request, block of up to RB of its rows), then kv head
-  std::vector<std::pair<int64_t, int64_t>> blocks;  // (request, first row)
-  int64_t L_max = 0;
-  for (int64_t b = 0; b < nreq; ++b) {
-    for (int64_t r = qs[b]; r < qs[b + 1]; r += RB) blocks.emplace_back(b, r);
-    L_max = std::max<int64_t>(L_max, cs[b + 1] - cs[b]);
-  }
-#if defined(__x86_64__)
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  auto fn = avx512 ? &item_avx512<T, F> : &item_default<T, F>;
-#else
-  auto fn = &item_default<T, F>;
-#endif
-  std::atomic<int64_t> dots_acc{0};
-  const int64_t nitems = static_cast<int64_t>(blocks.size()) * KVH;
-  at::parallel_for(0, nitems, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<F> qf(RB * G * D), sc(RB * G * std::max<int64_t>(L_max, 1)), acc(RB * G * D);
-    int64_t my_dots = 0;
-    for (int64_t w = lo; w < hi; ++w) {
-      const auto [b, r0] = blocks[w / KVH];
-      my_dots += fn(a, b, w % KVH, r0, std::min<int64_t>(r0 + RB, qs[b + 1]), qf.data(), sc.data(), acc.data());
-    }
-    dots_acc += my_dots;
+  const Impl impl = best_impl();
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const std::vector<Work> work = plan(nreq, qs, KVH, G, threads);
+  const int64_t n = static_cast<int64_t>(work.size());
+  std::atomic<int64_t> next{0}, dots{0};
+  // each thread takes the next item until none is left (items differ in cost: ragged rows, contexts)
+  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
+    int64_t my = 0;
+    for (int64_t it; (it = next.fetch_add(1)) < n;) my += item<T>(a, work[it], impl);
+    dots += my;
   });
   g_rows += q.size(0) * H;
-  g_dots += dots_acc.load();
+  g_dots += dots.load();
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -170,13 +180,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: contiguous KV pool");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_attention: q and cache dtypes differ");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads not a multiple of kv heads");
-  auto i64 = [](const at::Tensor& t) { return t.contiguous().to(at::kLong); };
-  at::Tensor qs = i64(q_start), pos = i64(positions), sl = i64(ctx_slots), cs = i64(ctx_start), fi = i64(ctx_first);
+  // the index tensors are already contiguous int64 in the engine: no copy, no extra op then
+  auto i64 = [](const at::Tensor& t) { return t.scalar_type() == at::kLong && t.is_contiguous() ? t : t.contiguous().to(at::kLong); };
+  const at::Tensor qs = i64(q_start), pos = i64(positions), sl = i64(ctx_slots), cs = i64(ctx_start), fi = i64(ctx_first);
   TORCH_CHECK(qs.numel() == cs.numel() && qs.numel() == fi.numel() + 1, "paged_attention: q_start/ctx_start are [B+1]");
-  TORCH_CHECK(qs[-1].item<int64_t>() == q.size(0), "paged_attention: q_start[-1] != rows of q");
+  TORCH_CHECK(qs.data_ptr<int64_t>()[fi.numel()] == q.size(0), "paged_attention: q_start[-1] != rows of q");
   at::Tensor m, mst;
   if (mask.has_value()) {
-    m = mask->contiguous().to(at::kBool);
+    m = mask->scalar_type() == at::kBool && mask->is_contiguous() ? *mask : mask->contiguous().to(at::kBool);
     mst = i64(*mask_start);
   }
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());

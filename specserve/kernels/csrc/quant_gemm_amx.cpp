@@ -1,15 +1,17 @@
-// AMX-INT8 path of the block-scaled GEMM (quant_gemm.cpp): one TDPBSSD per (16 columns, block of 32,
-// up to 16 rows) instead of 8 VNNI dot products per row, so verify (M = 2..17 rows) costs about what decode
-// (M = 1) costs.
+// AMX-INT8 path of the block-scaled GEMM (quant_gemm.cpp): one TDPBSUD per (16 columns, block of 32, up to
+// 16 rows) replaces 8 VNNI dot products per row. Only the integer part gets cheaper: the fp32 epilogue
+// (scale, multiply, add, offset per element per block) is mandated and still grows with M, so AMX pays off
+// from about 8 rows (AMX_MIN_M in quant_gemm.cpp); below that the fixed tile overhead loses to VNNI.
 //
 // NOTE (bit-identity with the VNNI/portable paths): a tile multiply gives each (row, column) its block's
-// integer sum Σ q_w·q_a exactly (|sum| < 2^21, int32), the same integer the VNNI path forms as
-// Σ (q_w + 128)·q_a − 128·Σ q_a; the fp32 epilogue below is then the VNNI path's, op for op and in block
-// order. Rows never mix: a row's result does not depend on M, on which 16-row chunk holds it, or on threads.
+// integer sum exactly (|sum| < 2^21, int32): Σ q·q_a for 4-bit codes, and for 8-bit codes stored + 128 the
+// VNNI path's own Σ (q + 128)·q_a − 128·Σ q_a (the C tile starts at −128·Σ q_a). The fp32 epilogue below is
+// the VNNI path's, op for op and in block order. Rows never mix: a row's result does not depend on M, on
+// which 16-row chunk holds it, or on threads.
 //
-// Weights are NOT stored a second time: per 16-column tile the packed codes are expanded once into an L1
-// scratch of signed int8 (4-bit: nibbles 0..15; 8-bit: code − 128) in the tile-B layout, which the packed
-// layout already is (8 rows of K-groups × 16 columns × 4 bytes). Activations are tile-loaded in place.
+// Weights are NOT stored a second time: the packed layout already is the tile-B layout (8 rows of K-groups ×
+// 16 columns × 4 bytes). 8-bit codes are tile-loaded in place; 4-bit codes are expanded once per 16-column
+// tile into an L1 scratch (nibbles → bytes 0..15). Activations are tile-loaded in place.
 #include "quant_gemm.h"
 
 #if defined(__x86_64__) && defined(__linux__)

@@ -10,7 +10,8 @@ from specserve import kernels
 from specserve.models.gguf_blocks import gguf_blocks
 from specserve.models.quant_ref import pack, qgemm_ref, quantize_act_ref
 
-PATHS = (0, 1)  # 0 = best available (AVX-512-VNNI here), 1 = portable
+PATHS = (0, 1)  # 0 = best available (AMX-INT8 for M >= a threshold, else AVX-512-VNNI), 1 = portable
+VNNI, AMX = 2, 3  # forced paths (quant_gemm.cpp: Impl)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,3 +112,66 @@ def test_gguf_blocks_are_exact(qtype: str, size: int, per: int) -> None:
     codes = gguf_blocks(raw, qtype, (N, K))
     assert codes is not None and codes.bits == (8 if qtype == "Q8_0" else 4)
     assert np.array_equal(codes.dequantize().numpy(), ref)
+
+
+def _need_amx() -> None:
+    if "amx" not in torch.ops.specserve.quant_isa():
+        pytest.skip("AMX-INT8 unavailable: the CPU lacks amx_int8 or Linux refused the tile-data permission")
+
+
+def _need_vnni() -> None:
+    if "avx512vnni" not in torch.ops.specserve.quant_isa():
+        pytest.skip("AVX-512-VNNI unavailable on this CPU")
+
+
+@pytest.mark.parametrize("bits,has_m", [(4, True), (4, False), (8, False), (8, True)])
+def test_amx_bit_equal_to_vnni_portable_and_reference(bits: int, has_m: bool) -> None:
+    """The forced AMX path for every M in 1..33 (one, two and three 16-row chunks, partial ones) and N not a
+    multiple of 16: bit-equal to the VNNI path, the portable path and the torch reference; rows independent."""
+    _need_amx()
+    _need_vnni()
+    for K, N in ((32, 16), (576, 40), (1536, 72), (96, 7)):
+        q, d, m = _weights(N, K, bits, has_m, seed=K + N)
+        w = pack(q, d, m, bits)
+        x = _acts(33, K)
+        ref = qgemm_ref(x, q, d, m)
+        single = torch.cat([torch.ops.specserve.qgemm(x[i:i + 1], *w, N, bits, AMX) for i in range(33)])
+        assert torch.equal(single, ref), (K, N)
+        for M in range(2, 34):
+            y = torch.ops.specserve.qgemm(x[:M], *w, N, bits, AMX)
+            assert torch.equal(y, single[:M]), (K, N, M)
+        for impl in (VNNI, 1, 0):
+            assert torch.equal(torch.ops.specserve.qgemm(x, *w, N, bits, impl), ref), (K, N, impl)
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("bits", (4, 8))
+def test_amx_lm_head_shape_and_threads(bits: int, threads: int) -> None:
+    """SmolLM2's head (N=49152, K=576) on the AMX path, 1 and 2 threads: equal to the reference and to the
+    VNNI path; rows of M=17 equal M=1 calls."""
+    _need_amx()
+    N, K = 49152, 576
+    q, d, m = _weights(N, K, bits, has_m=bits == 4)
+    w = pack(q, d, m, bits)
+    x = _acts(17, K)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = torch.ops.specserve.qgemm(x, *w, N, bits, AMX)
+        assert torch.equal(y, qgemm_ref(x, q, d, m))
+        assert torch.equal(y, torch.ops.specserve.qgemm(x, *w, N, bits, VNNI))
+        for r in (0, 9, 16):
+            assert torch.equal(torch.ops.specserve.qgemm(x[r:r + 1], *w, N, bits, AMX)[0], y[r])
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_forced_amx_runs_or_fails_loudly() -> None:
+    """A forced path the CPU lacks must raise, never fall back silently (the AMX tests above rely on it)."""
+    q, d, m = _weights(16, 32, 4, True)
+    x, w = _acts(2, 32), pack(q, d, m, 4)
+    if "amx" in torch.ops.specserve.quant_isa():
+        assert torch.equal(torch.ops.specserve.qgemm(x, *w, 16, 4, AMX), qgemm_ref(x, q, d, m))
+    else:
+        with pytest.raises(RuntimeError, match="AMX"):
+            torch.ops.specserve.qgemm(x, *w, 16, 4, AMX)

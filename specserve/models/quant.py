@@ -52,9 +52,19 @@ def cat_rows(parts: list[BlockCodes]) -> BlockCodes:
                       torch.cat(ms) if ms else None, bits)
 
 
+IMPLS = {"auto": 0, "portable": 1, "vnni": 2, "amx": 3}  # qgemm's `impl` argument
+
+
 def _impl() -> int:
-    """1 forces the portable kernel path (tests compare it with the SIMD one)."""
-    return 1 if os.environ.get("SPECSERVE_QUANT_PORTABLE", "") not in ("", "0") else 0
+    """The kernel path, read at every call so tests and benches can switch it: SPECSERVE_QUANT_IMPL =
+    auto (default: AMX-INT8 for M >= a threshold where the CPU has it, else AVX-512-VNNI, else portable) |
+    portable | vnni | amx (a forced path the CPU lacks raises). SPECSERVE_QUANT_PORTABLE=1 = portable."""
+    if os.environ.get("SPECSERVE_QUANT_PORTABLE", "") not in ("", "0"):
+        return 1
+    name = os.environ.get("SPECSERVE_QUANT_IMPL", "auto") or "auto"
+    if name not in IMPLS:
+        raise ValueError(f"SPECSERVE_QUANT_IMPL={name!r}: choose one of {', '.join(IMPLS)}")
+    return IMPLS[name]
 
 
 class BlockQuantWeight:

@@ -5,7 +5,10 @@
 // NOTE: every output element is the same sequence of fp32 operations in block order b = 0..nb-1
 // (mul then add, never fused: -ffp-contract=off), whatever M, N, the thread count or the SIMD path;
 // the integer part is exact. So rows are independent (decode == verify, batch invariance) and the
-// AVX-512-VNNI path, the portable path and the torch reference agree bit for bit.
+// AVX-512-VNNI path, the AMX-INT8 path (quant_gemm_amx.cpp), the portable path and the torch reference
+// agree bit for bit.
+#include "quant_gemm.h"
+
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,16 +27,13 @@
 #endif
 
 namespace {
+using specserve_quant::Acts;
+using specserve_quant::NR;
+using specserve_quant::QK;
 
-constexpr int QK = 32;   // block length along K
-constexpr int NR = 16;   // output columns per packed tile (one zmm lane each)
 constexpr int MR = 8;    // rows sharing one pass over a weight tile
 // Blocks with amax below this quantize to zero (d_a = 0): 127/amax would overflow to inf.
 constexpr float TINY = 0x1p-100f;
-
-struct Acts {  // one quantized activation matrix
-  const int8_t* q; const float* d; const float* sa; const int32_t* sum; int64_t K, nb;
-};
 
 // ---- activation quantization (portable) --------------------------------------------------------
 void quantize_rows_portable(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum) {
@@ -182,8 +182,26 @@ bool have_vnni() {
 bool have_vnni() { return false; }
 #endif
 
-// impl: 0 = best available, 1 = portable (tests force it to compare paths).
-bool use_vnni(int64_t impl) { return impl == 0 && have_vnni(); }
+// impl: 0 = best available, 1 = portable, 2 = AVX-512-VNNI only, 3 = AMX-INT8 for every M (tests and benches
+// force a path to compare them; a forced path the CPU lacks is an error, not a silent fallback).
+enum Impl : int64_t { AUTO = 0, PORTABLE = 1, VNNI = 2, AMX = 3 };
+// AMX pays off from this many rows: at SmolLM2-135M's shapes (1 and 2 threads) it loses at M <= 6
+// (its fixed tile/expand cost per block), is even to 10 % faster at M = 8 and 1.2-1.4x faster at M = 16.
+constexpr int64_t AMX_MIN_M = 8;
+
+bool use_vnni(int64_t impl) {
+  TORCH_CHECK(impl >= AUTO && impl <= AMX, "qgemm: impl must be 0 (auto), 1 (portable), 2 (vnni) or 3 (amx)");
+  TORCH_CHECK(impl < VNNI || have_vnni(), "qgemm: this CPU has no AVX-512-VNNI");
+  return impl != PORTABLE && have_vnni();
+}
+
+bool use_amx(int64_t impl, int64_t M) {
+  if (impl == AMX) {
+    TORCH_CHECK(specserve_quant::amx_usable(), "qgemm: AMX-INT8 is not available (CPU or OS permission)");
+    return true;
+  }
+  return impl == AUTO && M >= AMX_MIN_M && have_vnni() && specserve_quant::amx_usable();
+}
 
 std::vector<at::Tensor> quantize_act(const at::Tensor& x_, int64_t impl) {
   TORCH_CHECK(x_.dim() == 2 && x_.size(1) % QK == 0, "quantize_act: x must be [M, K] with K % 32 == 0");
@@ -224,9 +242,13 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& wd
   const float* wmp = has_m ? wm_->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = nb * QK * NR * bits / 8;
-  const bool vnni = use_vnni(impl);
+  const bool vnni = use_vnni(impl), amx = M > 0 && use_amx(impl, M);
   // NOTE: the split over tiles (columns) never changes any column's arithmetic.
   at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    if (amx) {
+      specserve_quant::gemm_tiles_amx(a, M, wpp, wdp, wmp, static_cast<int>(bits), yp, n, t0, t1);
+      return;
+    }
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tw = wpp + t * tile_bytes;
       const float* td = wdp + t * nb * NR;
@@ -253,7 +275,9 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& wd
   return y.view(shape);
 }
 
-std::string quant_isa() { return have_vnni() ? "avx512vnni" : "portable"; }
+std::string quant_isa() {
+  return !have_vnni() ? "portable" : specserve_quant::amx_usable() ? "amx-int8+avx512vnni" : "avx512vnni";
+}
 
 }  // namespace
 

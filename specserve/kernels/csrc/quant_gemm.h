@@ -1,0 +1,25 @@
+// Shared between quant_gemm.cpp (op, portable + AVX-512-VNNI paths) and quant_gemm_amx.cpp (AMX-INT8 path).
+// Numerics: specserve/models/quant_ref.py. Weight layout: quant_ref.pack (tiles of 16 columns, per block
+// 8 groups of 4 K-bytes × 16 columns; 4-bit: groups g and g+4 share a byte; 8-bit: code + 128).
+#pragma once
+#include <cstdint>
+
+namespace specserve_quant {
+
+constexpr int QK = 32;   // block length along K
+constexpr int NR = 16;   // output columns per packed tile (one zmm lane each)
+
+struct Acts {  // one quantized activation matrix: q [M, K] int8, d/sa/sum [M, nb]
+  const int8_t* q; const float* d; const float* sa; const int32_t* sum; int64_t K, nb;
+};
+
+// True when the CPU has AMX-INT8 and Linux granted this process the tile-data state
+// (arch_prctl ARCH_REQ_XCOMP_PERM); asked once. False on other CPUs/OSes: callers use the VNNI path.
+bool amx_usable();
+
+// Column tiles [t0, t1) of y[M, n] (row stride n) with AMX, every row. Each block's integer sum is exact
+// int32 and the fp32 epilogue is the VNNI path's, op for op: bit-identical to the other paths.
+void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits,
+                    float* y, int64_t n, int64_t t0, int64_t t1);
+
+}  // namespace specserve_quant

@@ -1,0 +1,218 @@
+// AMX-INT8 path of the block-scaled GEMM (quant_gemm.cpp): one TDPBSUD per (16 columns, block of 32, up to
+// 16 rows) replaces 8 VNNI dot products per row. Only the integer part gets cheaper: the fp32 epilogue
+// (scale, multiply, add, offset per element per block) is mandated and still grows with M, so AMX pays off
+// from about 8 rows (AMX_MIN_M in quant_gemm.cpp); below that the fixed tile overhead loses to VNNI.
+//
+// NOTE (bit-identity with the VNNI/portable paths): a tile multiply gives each (row, column) its block's
+// integer sum exactly (|sum| < 2^21, int32): Σ q·q_a for 4-bit codes, and for 8-bit codes stored + 128 the
+// VNNI path's own Σ (q + 128)·q_a − 128·Σ q_a (the C tile starts at −128·Σ q_a). The fp32 epilogue below is
+// the VNNI path's, op for op and in block order. Rows never mix: a row's result does not depend on M, on
+// which 16-row chunk holds it, or on threads.
+//
+// Weights are NOT stored a second time: the packed layout already is the tile-B layout (8 rows of K-groups ×
+// 16 columns × 4 bytes). 8-bit codes are tile-loaded in place; 4-bit codes are expanded once per 16-column
+// tile into an L1 scratch (nibbles → bytes 0..15). Activations are tile-loaded in place.
+#include "quant_gemm.h"
+
+#if defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace specserve_quant {
+namespace {
+
+constexpr int MT = 16;                 // rows per tile multiply (AMX maximum)
+constexpr int64_t BLK = 8 * 64;        // bytes of one block of one column tile, expanded to int8
+constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
+constexpr long XFEATURE_XTILEDATA = 18;
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
+// The tile-load/config intrinsics are asm without a memory operand: keep the compiler from sinking the
+// scratch/config stores past them.
+#define COMPILER_BARRIER() asm volatile("" ::: "memory")
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: C0..C3 = 0..3 (R rows × 16 int32: the sums of 4 consecutive blocks), A = 4, 5 (R rows × 32 int8:
+// one block of activations), B = 6, 7 (8 K-groups × 64 bytes: one block of 16 columns), A/B alternating.
+AMX_TARGET void configure(int R) {
+  TileConfig cfg;
+  for (int t : {0, 1, 2, 3}) { cfg.rows[t] = R; cfg.colsb[t] = 64; }
+  for (int t : {4, 5}) { cfg.rows[t] = R; cfg.colsb[t] = 32; }
+  for (int t : {6, 7}) { cfg.rows[t] = 8; cfg.colsb[t] = 64; }
+  COMPILER_BARRIER();
+  _tile_loadconfig(&cfg);
+}
+
+// One column tile's 4-bit codes (nb blocks) → one byte each (0..15) in the same layout (see file comment).
+AMX_TARGET void expand(const uint8_t* src, int64_t nb, uint8_t* dst) {
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b, dst += BLK) {
+    for (int g = 0; g < 4; ++g) {
+      const __m512i v = _mm512_loadu_si512(src + (b * 4 + g) * 64);
+      _mm512_store_si512(dst + g * 64, _mm512_and_si512(v, nib));
+      _mm512_store_si512(dst + (g + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+    }
+  }
+  COMPILER_BARRIER();
+}
+
+// One block's fp32 epilogue for R rows: gemm_tile_vnni's, op for op:
+// scale = d_w·d_a; acc = acc + scale·float(s); acc = acc + m_w·sa.
+template <int R, bool HAS_M>
+AMX_TARGET __attribute__((always_inline)) inline void epilogue(__m512* acc, const Acts& a, int64_t m0, int64_t b,
+                                                               const float* wd, const float* wm,
+                                                               const int32_t (*s)[NR]) {
+  const __m512 dw = _mm512_loadu_ps(wd + b * NR);
+  const __m512 mw = HAS_M ? _mm512_loadu_ps(wm + b * NR) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = (m0 + r) * a.nb + b;
+    const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i]));
+    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_load_si512(s[r]))));
+    if (HAS_M) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mw, _mm512_set1_ps(a.sa[i])));
+  }
+}
+
+constexpr int G = 4;  // blocks per group (one C tile each)
+
+// What the tile multiplies of one (column tile, row chunk) read.
+struct TileArgs {
+  const int8_t* aq; long lda;  // activations of the chunk's first row, row stride K
+  const uint8_t* w;            // this column tile's codes, [nb][8][64] unsigned: expanded nibbles or code + 128
+  const int32_t* corr;         // 8-bit: [rows][nb][16] of −128·Σq_a (the C tiles start there), else null
+  long ldc;                    // row stride of corr in bytes
+};
+
+// Integer block sums of blocks b0..b0+cnt-1 (cnt <= G) into tiles C0..C(cnt-1): TDPBSUD (signed activations ×
+// unsigned codes), starting from 0 (4-bit) or from the 8-bit codes' −128·Σq_a, as the VNNI path subtracts it.
+AMX_TARGET __attribute__((always_inline)) inline void multiply_group(const TileArgs& t, int64_t b0, int cnt) {
+#define BLOCK(J, CT, AT, BT)                                                          \
+  if (J < cnt) {                                                                      \
+    if (t.corr) _tile_loadd(CT, t.corr + (b0 + J) * NR, t.ldc); else _tile_zero(CT);  \
+    _tile_loadd(AT, t.aq + (b0 + J) * QK, t.lda);                                     \
+    _tile_loadd(BT, t.w + (b0 + J) * BLK, 64);                                        \
+    _tile_dpbsud(CT, AT, BT);                                                         \
+  }
+  BLOCK(0, 0, 4, 6) BLOCK(1, 1, 5, 7) BLOCK(2, 2, 4, 6) BLOCK(3, 3, 5, 7)
+#undef BLOCK
+}
+
+template <int R>
+AMX_TARGET __attribute__((always_inline)) inline void store_group(int cnt, int32_t (*c)[R][NR]) {
+  _tile_stored(0, c[0], NR * 4);
+  if (cnt > 1) _tile_stored(1, c[1], NR * 4);
+  if (cnt > 2) _tile_stored(2, c[2], NR * 4);
+  if (cnt > 3) _tile_stored(3, c[3], NR * 4);
+}
+
+// Rows m0..m0+R-1 against one column tile; wd/wm [nb][16]. Software-pipelined: the multiplies of group g + 1
+// are issued before the epilogue of group g and their sums stored after it, so the AMX unit and the vector
+// epilogue overlap and the epilogue's loads never queue behind fresh tile stores. Epilogues stay in block order.
+template <int R, bool HAS_M>
+AMX_TARGET void rows_amx(const Acts& a, int64_t m0, const TileArgs& t, const float* wd, const float* wm, float* out,
+                         int64_t ldo, int64_t ncols) {
+  alignas(64) int32_t c[2][G][R][NR];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t nb = a.nb;
+  auto count = [nb](int64_t b0) { return static_cast<int>(std::min<int64_t>(G, nb - b0)); };
+  multiply_group(t, 0, count(0));
+  store_group<R>(count(0), c[0]);
+  for (int64_t b0 = 0, g = 0; b0 < nb; b0 += G, ++g) {
+    const int64_t next = b0 + G;
+    if (next < nb) multiply_group(t, next, count(next));
+    for (int j = 0; j < count(b0); ++j) epilogue<R, HAS_M>(acc, a, m0, b0 + j, wd, wm, c[g & 1][j]);
+    if (next < nb) store_group<R>(count(next), c[(g + 1) & 1]);
+  }
+  const __mmask16 mask = ncols >= NR ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+}
+
+template <bool HAS_M>
+void rows_dispatch(int R, const Acts& a, int64_t m0, const TileArgs& w, const float* wd, const float* wm, float* out,
+                   int64_t ldo, int64_t ncols) {
+  switch (R) {
+#define CASE(N) case N: rows_amx<N, HAS_M>(a, m0, w, wd, wm, out, ldo, ncols); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+  }
+}
+
+bool request_tile_data() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amx_tile = edx & (1u << 24), amx_int8 = edx & (1u << 25);
+  // Without this permission the first tile instruction faults (SIGILL): Linux enables AMX state per process.
+  return amx_tile && amx_int8 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+}  // namespace
+
+bool amx_usable() {
+  static const bool ok = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         request_tile_data();
+  return ok;
+}
+
+AMX_TARGET void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm,
+                               int bits, float* y, int64_t n, int64_t t0, int64_t t1) {
+  // Row chunks of 16; for M > 16 the last chunk ends at M (it recomputes a few rows of the previous one, to
+  // the same bits) so the tile shape, configured once here, never changes.
+  const int R = static_cast<int>(std::min<int64_t>(M, MT));
+  const int64_t nb = a.nb, tile_bytes = nb * QK * NR * bits / 8;
+  thread_local std::vector<uint8_t> scratch;  // 4-bit: one column tile's expanded codes
+  thread_local std::vector<int32_t> corr;     // 8-bit: −128·Σq_a per (row, block), 16 lanes
+  TileArgs t{nullptr, static_cast<long>(a.K), nullptr, nullptr, static_cast<long>(nb * NR * 4)};
+  uint8_t* w = nullptr;
+  if (bits == 4) {
+    scratch.resize(nb * BLK + 64);
+    w = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+  } else {
+    corr.resize(M * nb * NR);
+    for (int64_t i = 0; i < M * nb; ++i)
+      _mm512_storeu_si512(corr.data() + i * NR, _mm512_set1_epi32(-128 * a.sum[i]));
+    COMPILER_BARRIER();  // tile loads read corr
+  }
+  configure(R);  // tile configuration is per thread: set it in the thread that multiplies
+  for (int64_t tt = t0; tt < t1; ++tt) {
+    const uint8_t* tw = wp + tt * tile_bytes;
+    if (bits == 4) {
+      expand(tw, nb, w);
+      tw = w;
+    }
+    const float* td = wd + tt * nb * NR;
+    const float* tm = wm ? wm + tt * nb * NR : nullptr;
+    const int64_t ncols = std::min<int64_t>(NR, n - tt * NR);
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {
+      const int64_t start = std::min<int64_t>(m0, M - R);
+      t.aq = a.q + start * a.K;
+      t.w = tw;
+      t.corr = bits == 8 ? corr.data() + start * nb * NR : nullptr;
+      if (tm) rows_dispatch<true>(R, a, start, t, td, tm, y + start * n + tt * NR, n, ncols);
+      else rows_dispatch<false>(R, a, start, t, td, tm, y + start * n + tt * NR, n, ncols);
+    }
+  }
+  _tile_release();  // lets the kernel skip saving ~8 KB of tile state at context switches
+}
+
+}  // namespace specserve_quant
+
+#else  // not x86-64 Linux: no AMX
+
+namespace specserve_quant {
+bool amx_usable() { return false; }
+void gemm_tiles_amx(const Acts&, int64_t, const uint8_t*, const float*, const float*, int, float*, int64_t, int64_t,
+                    int64_t) {}
+}  // namespace specserve_quant
+
+#endif

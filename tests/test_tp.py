@@ -200,3 +200,13 @@ def test_second_node_joins_with_node_rank(tmp_path: Path) -> None:
     finally:
         node1.kill()
         node1.wait()
+
+
+def test_one_tensor_parallel_engine_per_process(tmp_path: Path) -> None:
+    path = make_tiny_dir(tmp_path / "m")
+    with LLM(path, dtype="float64", tp_size=2):
+        with pytest.raises(ValueError, match="one tensor-parallel engine per process"):
+            LLM(path, dtype="float64", tp_size=2)
+    with LLM(path, dtype="float64", tp_size=2) as llm:  # once closed, another may start
+        assert llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=2))[0].token_ids
+    assert _no_workers_left()

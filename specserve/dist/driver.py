@@ -40,6 +40,9 @@ def free_port() -> int:
 
 class TPDriver:
     def __init__(self, config: EngineConfig) -> None:
+        if dist.is_initialized():  # torch.distributed has one default group per process
+            raise ValueError("--tp-size: one tensor-parallel engine per process at a time; close the other "
+                             "first (LLM.close())")
         if config.dist_init_addr is None:
             config = replace(config, dist_init_addr=f"127.0.0.1:{free_port()}")
         self.config = config

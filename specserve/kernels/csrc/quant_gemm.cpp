@@ -185,9 +185,10 @@ bool have_vnni() { return false; }
 // impl: 0 = best available, 1 = portable, 2 = AVX-512-VNNI only, 3 = AMX-INT8 for every M (tests and benches
 // force a path to compare them; a forced path the CPU lacks is an error, not a silent fallback).
 enum Impl : int64_t { AUTO = 0, PORTABLE = 1, VNNI = 2, AMX = 3 };
-// AMX pays off from this many rows: at SmolLM2-135M's shapes (1 and 2 threads) it loses at M <= 6
-// (its fixed tile/expand cost per block), is even to 10 % faster at M = 8 and 1.2-1.4x faster at M = 16.
-constexpr int64_t AMX_MIN_M = 8;
+// AMX pays off from this many rows. At SmolLM2-135M's shapes it loses at M <= 6 (its fixed tile/expand
+// cost per block), is mixed at M = 8 (-8 %..+10 % per shape; no gain end to end for verify-8), and wins on
+// every shape from M = 12 (1.05-1.2x; 1.2-1.4x at M = 16).
+constexpr int64_t AMX_MIN_M = 12;
 
 bool use_vnni(int64_t impl) {
   TORCH_CHECK(impl >= AUTO && impl <= AMX, "qgemm: impl must be 0 (auto), 1 (portable), 2 (vnni) or 3 (amx)");

@@ -1,7 +1,7 @@
 // AMX-INT8 path of the block-scaled GEMM (quant_gemm.cpp): one TDPBSUD per (16 columns, block of 32, up to
 // 16 rows) replaces 8 VNNI dot products per row. Only the integer part gets cheaper: the fp32 epilogue
 // (scale, multiply, add, offset per element per block) is mandated and still grows with M, so AMX pays off
-// from about 8 rows (AMX_MIN_M in quant_gemm.cpp); below that the fixed tile overhead loses to VNNI.
+// from about 12 rows (AMX_MIN_M in quant_gemm.cpp); below that the fixed tile overhead loses to VNNI.
 //
 // NOTE (bit-identity with the VNNI/portable paths): a tile multiply gives each (row, column) its block's
 // integer sum exactly (|sum| < 2^21, int32): Σ q·q_a for 4-bit codes, and for 8-bit codes stored + 128 the

@@ -139,7 +139,6 @@ class Request:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
-    spec_trials: int = 0  # draft positions actually tested (accepted + the rejection, if any)
     spec_decode_steps: int = 0  # decode steps, with or without drafts (mean window = draft_tokens / steps)
     draft_source: str = "draft"  # which of the drafter's `sources` drafts for it this step (HYBRID: lookup/learned)
     source_trials: dict[str, list[int]] = field(default_factory=dict)  # source → [accepted, tested] positions

@@ -14,7 +14,6 @@ from .tiny import reference_greedy, tiny_model
 
 def _req(accepted: int, trials: int) -> Request:
     r = Request("r", [1], SamplingParams())
-    r.spec_accepted_tokens, r.spec_trials = accepted, trials
     r.source_trials[r.draft_source] = [accepted, trials]  # the acceptance the cost policy reads
     return r
 
@@ -39,7 +38,7 @@ def test_cost_windows_never_plan_below_plain() -> None:
     reqs = [_req(a, 20) for a in (0, 5, 10, 18)]
     k, predicted = cost_windows(reqs, [8] * 4, cost)
     assert predicted == pytest.approx(cost(sum(k) + 4))
-    alphas = [(r.spec_accepted_tokens + 1) / (r.spec_trials + 2) for r in reqs]
+    alphas = [(a + 1) / (t + 2) for a, t in (r.source_trials[r.draft_source] for r in reqs)]
     expected = sum((1 - a ** (kb + 1)) / (1 - a) for a, kb in zip(alphas, k))
     assert expected / cost(sum(k) + 4) >= 4 / cost(4)
     assert k[3] >= k[0]  # the request that accepts more gets at least as long a window

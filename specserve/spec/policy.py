@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from .. import kernels
 from ..config import EngineConfig
 from ..core import Proposal, Request
-from .cost import CostModel, DraftGate, StepOverhead, acceptance_estimate, cost_windows
+from ..models import fused
+from .cost import CostModel, DraftGate, StepOverhead, acceptance_estimate, cost_windows, windows_time
 
 if TYPE_CHECKING:
     from ..drafters.base import Drafter
@@ -115,7 +117,9 @@ class CostPolicy(WindowPolicy):
     def _key(self, runner: "ModelRunner") -> str:
         m = runner.model
         tp = f"-tp{m.tp.world}" if getattr(m, "tp", None) else ""  # a shard's step costs differ from the whole model's
-        return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}{tp}")
+        # NOTE: curves measured with other kernels (an edited checkout) are stale: the sources' digest is in the key
+        kern = f"-k{kernels.source_digest()[:8]}" if fused.enabled() else ""
+        return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}{tp}{kern}")
 
     def bind(self, runner: "ModelRunner", drafter: "Drafter") -> None:
         self.cost_model = CostModel.cached(runner, self._key(runner))
@@ -154,9 +158,7 @@ class CostPolicy(WindowPolicy):
 
     def _predict(self, windows: list[int]) -> float:
         """The curves' time of a step verifying these windows (what StepOverhead compares with)."""
-        t = self.cost_model(sum(windows) + len(windows))
-        active, longest = sum(1 for w in windows if w), max(windows, default=0)
-        return t + (self.draft_cost_model(active) * longest if self.draft_cost_model is not None and longest else 0.0)
+        return windows_time(self.cost_model, self.draft_cost_model, windows)
 
     def observe(self, stats: StepStats) -> None:
         self.step_overhead.observe(stats.seconds, self.predicted, stats.drafted, self.arm)

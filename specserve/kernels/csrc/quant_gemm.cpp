@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <algorithm>
 #include <string>
 #include <tuple>
@@ -30,8 +31,15 @@ namespace {
 using specserve_quant::Acts;
 using specserve_quant::NR;
 using specserve_quant::QK;
+using specserve_quant::scale_at;
+#ifdef SPECSERVE_X86
+using specserve_quant::load_scales;
+#endif
 
 constexpr int MR = 8;    // rows sharing one pass over a weight tile
+// Software prefetch distance in column tiles (VNNI path). Measured end to end on SmolLM2 w4a8 decode (Xeon,
+// 2 threads): plain 108-119 -> 132-138 tok/s with 4 tiles; 2 was close, 8 worse (docs/benchmarks.md).
+constexpr int64_t PF_TILES = 4;
 // Blocks with amax below this quantize to zero (d_a = 0): 127/amax would overflow to inf.
 constexpr float TINY = 0x1p-100f;
 
@@ -57,7 +65,8 @@ void quantize_rows_portable(const float* x, int64_t M, int64_t K, int8_t* q, flo
 }
 
 // ---- block dot products (portable): same operation order as the SIMD path --------------------
-void gemm_tile_portable(const Acts& a, int64_t m0, int64_t mr, const uint8_t* wp, const float* wd, const float* wm,
+template <typename S>
+void gemm_tile_portable(const Acts& a, int64_t m0, int64_t mr, const uint8_t* wp, const S* wd, const S* wm,
                         int bits, float* out, int64_t ldo, int64_t ncols) {
   const int64_t nb = a.nb;
   const int64_t tile_bytes = bits == 4 ? QK * NR / 2 : QK * NR;  // per block
@@ -85,9 +94,9 @@ void gemm_tile_portable(const Acts& a, int64_t m0, int64_t mr, const uint8_t* wp
           }
         }
         s -= corr;
-        const float scale = wd[b * NR + c] * da;
+        const float scale = scale_at(wd, b * NR + c) * da;
         acc[c] = acc[c] + scale * static_cast<float>(s);
-        if (wm) acc[c] = acc[c] + wm[b * NR + c] * sab;
+        if (wm) acc[c] = acc[c] + scale_at(wm, b * NR + c) * sab;
       }
     }
     for (int64_t c = 0; c < ncols; ++c) out[r * ldo + c] = acc[c];
@@ -120,9 +129,12 @@ VNNI_TARGET void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int8_t
 }
 
 // R rows against one tile of 16 columns; the weight block stays in registers for all R rows.
-template <int R, int BITS, bool HAS_M>
-VNNI_TARGET void gemm_tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, const float* wd, const float* wm,
-                                float* out, int64_t ldo, int64_t ncols) {
+// `pf` (or null): a later tile's codes, fetched block by block into L2 while this one computes. At one or
+// a few rows the GEMM streams its weights from DRAM; the hardware prefetcher alone leaves that latency exposed.
+template <int R, int BITS, bool HAS_M, typename S>
+VNNI_TARGET void gemm_tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, const S* wd, const S* wm,
+                                float* out, int64_t ldo, int64_t ncols, const uint8_t* pf, const S* pfd,
+                                const S* pfm) {
   const int64_t nb = a.nb;
   constexpr int64_t tile_bytes = BITS == 4 ? QK * NR / 2 : QK * NR;
   __m512 acc[R];
@@ -130,6 +142,11 @@ VNNI_TARGET void gemm_tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, co
   const __m512i nib = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wp + b * tile_bytes;
+    if (pf) {
+      for (int64_t l = 0; l < tile_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + b * tile_bytes + l), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(pfd + b * NR), _MM_HINT_T1);
+      if (HAS_M) _mm_prefetch(reinterpret_cast<const char*>(pfm + b * NR), _MM_HINT_T1);
+    }
     __m512i w[8];
     if (BITS == 4) {
       for (int g = 0; g < 4; ++g) {
@@ -140,9 +157,9 @@ VNNI_TARGET void gemm_tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, co
     } else {
       for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(blk + g * 64);
     }
-    const __m512 dw = _mm512_loadu_ps(wd + b * NR);
+    const __m512 dw = load_scales(wd + b * NR);
     __m512 mw = _mm512_setzero_ps();
-    if (HAS_M) mw = _mm512_loadu_ps(wm + b * NR);
+    if (HAS_M) mw = load_scales(wm + b * NR);
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const int32_t* qa = reinterpret_cast<const int32_t*>(a.q + m * a.K + b * QK);
@@ -163,11 +180,12 @@ VNNI_TARGET void gemm_tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, co
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
 }
 
-template <int BITS, bool HAS_M>
-VNNI_TARGET void gemm_rows_vnni(const Acts& a, int64_t m0, int64_t mr, const uint8_t* wp, const float* wd,
-                                const float* wm, float* out, int64_t ldo, int64_t ncols) {
+template <int BITS, bool HAS_M, typename S>
+VNNI_TARGET void gemm_rows_vnni(const Acts& a, int64_t m0, int64_t mr, const uint8_t* wp, const S* wd,
+                                const S* wm, float* out, int64_t ldo, int64_t ncols, const uint8_t* pf,
+                                const S* pfd, const S* pfm) {
   switch (mr) {
-#define CASE(R) case R: gemm_tile_vnni<R, BITS, HAS_M>(a, m0, wp, wd, wm, out, ldo, ncols); break;
+#define CASE(R) case R: gemm_tile_vnni<R, BITS, HAS_M, S>(a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
   }
@@ -183,8 +201,21 @@ bool have_vnni() { return false; }
 #endif
 
 // impl: 0 = best available, 1 = portable, 2 = AVX-512-VNNI only, 3 = AMX-INT8 for every M (tests and benches
-// force a path to compare them; a forced path the CPU lacks is an error, not a silent fallback).
-enum Impl : int64_t { AUTO = 0, PORTABLE = 1, VNNI = 2, AMX = 3 };
+// force a path to compare them; a forced path the CPU lacks is an error, not a silent fallback);
+// -1 = from the environment, read at every call (cheap here, unlike os.environ from Python per linear):
+// SPECSERVE_QUANT_IMPL = auto | portable | vnni | amx; SPECSERVE_QUANT_PORTABLE=1 means portable.
+enum Impl : int64_t { FROM_ENV = -1, AUTO = 0, PORTABLE = 1, VNNI = 2, AMX = 3 };
+
+int64_t env_impl() {
+  const char* portable = std::getenv("SPECSERVE_QUANT_PORTABLE");
+  if (portable && *portable && std::strcmp(portable, "0") != 0) return PORTABLE;
+  const char* name = std::getenv("SPECSERVE_QUANT_IMPL");
+  if (!name || !*name || !std::strcmp(name, "auto")) return AUTO;
+  if (!std::strcmp(name, "portable")) return PORTABLE;
+  if (!std::strcmp(name, "vnni")) return VNNI;
+  if (!std::strcmp(name, "amx")) return AMX;
+  TORCH_CHECK(false, "SPECSERVE_QUANT_IMPL='", name, "': choose one of auto, portable, vnni, amx");
+}
 // AMX pays off from this many rows. At SmolLM2-135M's shapes it loses at M <= 6 (its fixed tile/expand
 // cost per block), is mixed at M = 8 (-8 %..+10 % per shape; no gain end to end for verify-8), and wins on
 // every shape from M = 12 (1.05-1.2x; 1.2-1.4x at M = 16).
@@ -205,6 +236,7 @@ bool use_amx(int64_t impl, int64_t M) {
 }
 
 std::vector<at::Tensor> quantize_act(const at::Tensor& x_, int64_t impl) {
+  if (impl == FROM_ENV) impl = env_impl();
   TORCH_CHECK(x_.dim() == 2 && x_.size(1) % QK == 0, "quantize_act: x must be [M, K] with K % 32 == 0");
   const at::Tensor x = x_.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
@@ -221,56 +253,71 @@ std::vector<at::Tensor> quantize_act(const at::Tensor& x_, int64_t impl) {
   return {q, d, sa, sum};
 }
 
-// x [M, K] float; wp packed codes [ntiles, nb, bytes]; wd/wm [ntiles, nb, 16] → y [M, n] float.
+// Column tiles [t0, t1) of y = x·Wᵀ on the VNNI or portable path (S: the scales' type).
+template <typename S>
+void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wpp, const S* wdp, const S* wmp, int64_t bits, bool vnni,
+                float* yp, int64_t n, int64_t t0, int64_t t1) {
+  const int64_t nb = a.nb, tile_bytes = nb * QK * NR * bits / 8;
+  const bool has_m = wmp != nullptr;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tw = wpp + t * tile_bytes;
+    const S* td = wdp + t * nb * NR;
+    const S* tm = has_m ? wmp + t * nb * NR : nullptr;
+    const int64_t ncols = std::min<int64_t>(NR, n - t * NR);
+    const int64_t tp = t + PF_TILES;  // prefetched during the first row pass, if still in this thread's range
+    const bool pf_on = tp < t1;
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      const int64_t mr = std::min<int64_t>(MR, M - m0);
+      float* out = yp + m0 * n + t * NR;
+#ifdef SPECSERVE_X86
+      if (vnni) {
+        const bool on = pf_on && m0 == 0;
+        const uint8_t* pf = on ? wpp + tp * tile_bytes : nullptr;
+        const S* pfd = on ? wdp + tp * nb * NR : nullptr;
+        const S* pfm = on && has_m ? wmp + tp * nb * NR : nullptr;
+        if (bits == 4 && has_m) gemm_rows_vnni<4, true, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
+        else if (bits == 4) gemm_rows_vnni<4, false, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
+        else if (has_m) gemm_rows_vnni<8, true, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
+        else gemm_rows_vnni<8, false, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
+        continue;
+      }
+#endif
+      gemm_tile_portable(a, m0, mr, tw, td, tm, static_cast<int>(bits), out, n, ncols);
+    }
+  }
+}
+
+// x [M, K] float; wp packed codes [ntiles, nb, bytes]; wd/wm [ntiles, nb, 16] fp32 or fp16 → y [M, n] float.
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at::Tensor>& wm_,
                  int64_t n, int64_t bits, int64_t impl) {
+  if (impl == FROM_ENV) impl = env_impl();
   TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
-  TORCH_CHECK(wp.dtype() == at::kByte && wp.is_contiguous() && wd.dtype() == at::kFloat && wd.is_contiguous(),
-              "qgemm: packed weights must be contiguous uint8 codes and float32 scales");
+  const bool half = wd.scalar_type() == at::kHalf;
+  TORCH_CHECK(wp.dtype() == at::kByte && wp.is_contiguous() && (half || wd.dtype() == at::kFloat) && wd.is_contiguous(),
+              "qgemm: packed weights must be contiguous uint8 codes and float32 or float16 scales");
   const int64_t K = x.size(-1), nb = K / QK, ntiles = (n + NR - 1) / NR;
   TORCH_CHECK(wd.numel() == ntiles * nb * NR && wp.numel() == ntiles * nb * QK * NR * bits / 8,
               "qgemm: packed weight does not match K=", K, " n=", n);
   const bool has_m = wm_.has_value() && wm_->defined();
-  if (has_m) TORCH_CHECK(wm_->dtype() == at::kFloat && wm_->is_contiguous() && wm_->numel() == wd.numel(),
-                         "qgemm: offsets must be float32 shaped like the scales");
+  if (has_m) TORCH_CHECK(wm_->dtype() == wd.dtype() && wm_->is_contiguous() && wm_->numel() == wd.numel(),
+                         "qgemm: offsets must have the scales' dtype and shape");
   auto act = quantize_act(x.reshape({-1, K}), impl);
   const int64_t M = act[0].size(0);
   at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
   const Acts a{act[0].data_ptr<int8_t>(), act[1].data_ptr<float>(), act[2].data_ptr<float>(),
                act[3].data_ptr<int32_t>(), K, nb};
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
-  const float* wdp = wd.data_ptr<float>();
-  const float* wmp = has_m ? wm_->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t tile_bytes = nb * QK * NR * bits / 8;
   const bool vnni = use_vnni(impl), amx = M > 0 && use_amx(impl, M);
-  // NOTE: the split over tiles (columns) never changes any column's arithmetic.
-  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-    if (amx) {
-      specserve_quant::gemm_tiles_amx(a, M, wpp, wdp, wmp, static_cast<int>(bits), yp, n, t0, t1);
-      return;
-    }
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* tw = wpp + t * tile_bytes;
-      const float* td = wdp + t * nb * NR;
-      const float* tm = has_m ? wmp + t * nb * NR : nullptr;
-      const int64_t ncols = std::min<int64_t>(NR, n - t * NR);
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int64_t mr = std::min<int64_t>(MR, M - m0);
-        float* out = yp + m0 * n + t * NR;
-#ifdef SPECSERVE_X86
-        if (vnni) {
-          if (bits == 4 && has_m) gemm_rows_vnni<4, true>(a, m0, mr, tw, td, tm, out, n, ncols);
-          else if (bits == 4) gemm_rows_vnni<4, false>(a, m0, mr, tw, td, tm, out, n, ncols);
-          else if (has_m) gemm_rows_vnni<8, true>(a, m0, mr, tw, td, tm, out, n, ncols);
-          else gemm_rows_vnni<8, false>(a, m0, mr, tw, td, tm, out, n, ncols);
-          continue;
-        }
-#endif
-        gemm_tile_portable(a, m0, mr, tw, td, tm, static_cast<int>(bits), out, n, ncols);
-      }
-    }
-  });
+  auto run = [&](auto* wdp, auto* wmp) {
+    // NOTE: the split over tiles (columns) never changes any column's arithmetic.
+    at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+      if (amx) specserve_quant::gemm_tiles_amx(a, M, wpp, wdp, wmp, static_cast<int>(bits), yp, n, t0, t1);
+      else gemm_tiles(a, M, wpp, wdp, wmp, bits, vnni, yp, n, t0, t1);
+    });
+  };
+  if (half) run(wd.data_ptr<at::Half>(), has_m ? wm_->data_ptr<at::Half>() : static_cast<at::Half*>(nullptr));
+  else run(wd.data_ptr<float>(), has_m ? wm_->data_ptr<float>() : static_cast<float*>(nullptr));
   auto shape = x.sizes().vec();
   shape.back() = n;
   return y.view(shape);
@@ -283,7 +330,7 @@ std::string quant_isa() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
-  m.def("quantize_act(Tensor x, int impl=0) -> Tensor[]", &quantize_act);
-  m.def("qgemm(Tensor x, Tensor wp, Tensor wd, Tensor? wm, int n, int bits, int impl=0) -> Tensor", &qgemm);
+  m.def("quantize_act(Tensor x, int impl=-1) -> Tensor[]", &quantize_act);
+  m.def("qgemm(Tensor x, Tensor wp, Tensor wd, Tensor? wm, int n, int bits, int impl=-1) -> Tensor", &qgemm);
   m.def("quant_isa() -> str", &quant_isa);
 }

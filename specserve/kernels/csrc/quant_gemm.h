@@ -4,6 +4,11 @@
 #pragma once
 #include <cstdint>
 
+#include <c10/util/Half.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace specserve_quant {
 
 constexpr int QK = 32;   // block length along K
@@ -13,13 +18,29 @@ struct Acts {  // one quantized activation matrix: q [M, K] int8, d/sa/sum [M, n
   const int8_t* q; const float* d; const float* sa; const int32_t* sum; int64_t K, nb;
 };
 
+// Block scales d and offsets m are stored as fp32, or as fp16 when every value is exactly an fp16 (GGUF Q4_0/
+// Q4_1/Q8_0 store fp16): fewer bytes to stream at decode. fp16 -> fp32 is exact, so the numerics do not change.
+inline float scale_at(const float* p, int64_t i) { return p[i]; }
+inline float scale_at(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+#if defined(__x86_64__)
+__attribute__((target("avx512f"), always_inline)) inline __m512 load_scales(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f"), always_inline)) inline __m512 load_scales(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 // True when the CPU has AMX-INT8 and Linux granted this process the tile-data state
 // (arch_prctl ARCH_REQ_XCOMP_PERM); asked once. False on other CPUs/OSes: callers use the VNNI path.
 bool amx_usable();
 
 // Column tiles [t0, t1) of y[M, n] (row stride n) with AMX, every row. Each block's integer sum is exact
 // int32 and the fp32 epilogue is the VNNI path's, op for op: bit-identical to the other paths.
+// One per scale type (fp32, fp16).
 void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits,
+                    float* y, int64_t n, int64_t t0, int64_t t1);
+void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int bits,
                     float* y, int64_t n, int64_t t0, int64_t t1);
 
 }  // namespace specserve_quant

@@ -68,12 +68,12 @@ AMX_TARGET void expand(const uint8_t* src, int64_t nb, uint8_t* dst) {
 
 // One block's fp32 epilogue for R rows: gemm_tile_vnni's, op for op:
 // scale = d_w·d_a; acc = acc + scale·float(s); acc = acc + m_w·sa.
-template <int R, bool HAS_M>
+template <int R, bool HAS_M, typename S>
 AMX_TARGET __attribute__((always_inline)) inline void epilogue(__m512* acc, const Acts& a, int64_t m0, int64_t b,
-                                                               const float* wd, const float* wm,
+                                                               const S* wd, const S* wm,
                                                                const int32_t (*s)[NR]) {
-  const __m512 dw = _mm512_loadu_ps(wd + b * NR);
-  const __m512 mw = HAS_M ? _mm512_loadu_ps(wm + b * NR) : _mm512_setzero_ps();
+  const __m512 dw = load_scales(wd + b * NR);
+  const __m512 mw = HAS_M ? load_scales(wm + b * NR) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) {
     const int64_t i = (m0 + r) * a.nb + b;
     const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i]));
@@ -117,8 +117,8 @@ AMX_TARGET __attribute__((always_inline)) inline void store_group(int cnt, int32
 // Rows m0..m0+R-1 against one column tile; wd/wm [nb][16]. Software-pipelined: the multiplies of group g + 1
 // are issued before the epilogue of group g and their sums stored after it, so the AMX unit and the vector
 // epilogue overlap and the epilogue's loads never queue behind fresh tile stores. Epilogues stay in block order.
-template <int R, bool HAS_M>
-AMX_TARGET void rows_amx(const Acts& a, int64_t m0, const TileArgs& t, const float* wd, const float* wm, float* out,
+template <int R, bool HAS_M, typename S>
+AMX_TARGET void rows_amx(const Acts& a, int64_t m0, const TileArgs& t, const S* wd, const S* wm, float* out,
                          int64_t ldo, int64_t ncols) {
   alignas(64) int32_t c[2][G][R][NR];
   __m512 acc[R];
@@ -130,18 +130,18 @@ AMX_TARGET void rows_amx(const Acts& a, int64_t m0, const TileArgs& t, const flo
   for (int64_t b0 = 0, g = 0; b0 < nb; b0 += G, ++g) {
     const int64_t next = b0 + G;
     if (next < nb) multiply_group(t, next, count(next));
-    for (int j = 0; j < count(b0); ++j) epilogue<R, HAS_M>(acc, a, m0, b0 + j, wd, wm, c[g & 1][j]);
+    for (int j = 0; j < count(b0); ++j) epilogue<R, HAS_M, S>(acc, a, m0, b0 + j, wd, wm, c[g & 1][j]);
     if (next < nb) store_group<R>(count(next), c[(g + 1) & 1]);
   }
   const __mmask16 mask = ncols >= NR ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
 }
 
-template <bool HAS_M>
-void rows_dispatch(int R, const Acts& a, int64_t m0, const TileArgs& w, const float* wd, const float* wm, float* out,
+template <bool HAS_M, typename S>
+void rows_dispatch(int R, const Acts& a, int64_t m0, const TileArgs& w, const S* wd, const S* wm, float* out,
                    int64_t ldo, int64_t ncols) {
   switch (R) {
-#define CASE(N) case N: rows_amx<N, HAS_M>(a, m0, w, wd, wm, out, ldo, ncols); break;
+#define CASE(N) case N: rows_amx<N, HAS_M, S>(a, m0, w, wd, wm, out, ldo, ncols); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
     CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 #undef CASE
@@ -164,8 +164,10 @@ bool amx_usable() {
   return ok;
 }
 
-AMX_TARGET void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm,
-                               int bits, float* y, int64_t n, int64_t t0, int64_t t1) {
+namespace {
+template <typename S>
+AMX_TARGET void tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const S* wd, const S* wm,
+                          int bits, float* y, int64_t n, int64_t t0, int64_t t1) {
   // Row chunks of 16; for M > 16 the last chunk ends at M (it recomputes a few rows of the previous one, to
   // the same bits) so the tile shape, configured once here, never changes.
   const int R = static_cast<int>(std::min<int64_t>(M, MT));
@@ -190,19 +192,29 @@ AMX_TARGET void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, cons
       expand(tw, nb, w);
       tw = w;
     }
-    const float* td = wd + tt * nb * NR;
-    const float* tm = wm ? wm + tt * nb * NR : nullptr;
+    const S* td = wd + tt * nb * NR;
+    const S* tm = wm ? wm + tt * nb * NR : nullptr;
     const int64_t ncols = std::min<int64_t>(NR, n - tt * NR);
     for (int64_t m0 = 0; m0 < M; m0 += MT) {
       const int64_t start = std::min<int64_t>(m0, M - R);
       t.aq = a.q + start * a.K;
       t.w = tw;
       t.corr = bits == 8 ? corr.data() + start * nb * NR : nullptr;
-      if (tm) rows_dispatch<true>(R, a, start, t, td, tm, y + start * n + tt * NR, n, ncols);
-      else rows_dispatch<false>(R, a, start, t, td, tm, y + start * n + tt * NR, n, ncols);
+      if (tm) rows_dispatch<true, S>(R, a, start, t, td, tm, y + start * n + tt * NR, n, ncols);
+      else rows_dispatch<false, S>(R, a, start, t, td, tm, y + start * n + tt * NR, n, ncols);
     }
   }
   _tile_release();  // lets the kernel skip saving ~8 KB of tile state at context switches
+}
+}  // namespace
+
+void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits,
+                    float* y, int64_t n, int64_t t0, int64_t t1) {
+  tiles_amx(a, M, wp, wd, wm, bits, y, n, t0, t1);
+}
+void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int bits,
+                    float* y, int64_t n, int64_t t0, int64_t t1) {
+  tiles_amx(a, M, wp, wd, wm, bits, y, n, t0, t1);
 }
 
 }  // namespace specserve_quant
@@ -213,6 +225,8 @@ namespace specserve_quant {
 bool amx_usable() { return false; }
 void gemm_tiles_amx(const Acts&, int64_t, const uint8_t*, const float*, const float*, int, float*, int64_t, int64_t,
                     int64_t) {}
+void gemm_tiles_amx(const Acts&, int64_t, const uint8_t*, const at::Half*, const at::Half*, int, float*, int64_t,
+                    int64_t, int64_t) {}
 }  // namespace specserve_quant
 
 #endif

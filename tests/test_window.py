@@ -57,7 +57,7 @@ def test_draft_cost_shortens_windows() -> None:
 
 def test_step_overhead_learns_per_request_cost_and_stops_drafting() -> None:
     oh = StepOverhead()
-    for _ in range(20):
+    for _ in range(40):
         oh.observe(elapsed=1.1, predicted=1.0, active=0)  # plain steps: 0.1 s the curves miss
         oh.observe(elapsed=2.1, predicted=1.0, active=2, source="draft")  # + 0.5 s per drafting request
     assert oh.base == pytest.approx(0.1, rel=0.05) and oh.per_request["draft"] == pytest.approx(0.5, rel=0.05)
@@ -65,6 +65,17 @@ def test_step_overhead_learns_per_request_cost_and_stops_drafting() -> None:
     reqs = [_req(6, 10), _req(6, 10)]
     assert cost_windows(reqs, [4, 4], verify)[0] != [0, 0]
     assert cost_windows(reqs, [4, 4], verify, per_request=oh.cost(reqs))[0] == [0, 0]
+
+
+def test_step_overhead_is_not_biased_by_fast_steps() -> None:
+    """Per-request samples below zero (a step faster than the curves said) count: clamping each sample
+    at 0 made the mean twice the true overhead here and switched off lookups that paid."""
+    oh = StepOverhead()
+    for i in range(400):
+        oh.observe(elapsed=1.0 + (0.3 if i % 2 else -0.1), predicted=1.0, active=1, source="draft")
+    assert oh.per_request["draft"] == pytest.approx(0.1, abs=0.03)
+    oh.per_request["draft"] = -0.05
+    assert oh.cost([_req(1, 2)]) == [0.0]  # the estimate is used clamped
 
 
 def test_step_overhead_is_per_source() -> None:
@@ -132,8 +143,8 @@ def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.Monke
 
 
 def test_cost_curve_ignores_a_stall_and_never_decreases(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stall during one forward moves no point (rounds interleave the sizes; medians); a size measured
-    slower than a larger one is lowered to it (more tokens never cost less)."""
+    """A stall during one forward moves no point (medians); a size measured slower than a larger one is
+    lowered to it (more tokens never cost less)."""
     from types import SimpleNamespace
 
     from specserve.spec import cost as cost_mod
@@ -145,12 +156,12 @@ def test_cost_curve_ignores_a_stall_and_never_decreases(monkeypatch: pytest.Monk
         def forward(self, pts, ctx, ids, pos) -> None:  # noqa: ANN001
             n = len(ids[0])
             self.calls += 1
-            self.clock += 1.0 + 0.1 * n + (50.0 if n == 3 and self.calls == 19 else 0.0) + (1.0 if n == 5 else 0.0)
+            self.clock += 1.0 + 0.1 * n + (50.0 if n == 3 and self.calls == 16 else 0.0) + (1.0 if n == 5 else 0.0)
 
     runner = Runner()
     monkeypatch.setattr(cost_mod, "time", SimpleNamespace(perf_counter=lambda: runner.clock))
     pts = dict(CostModel.measure(runner, sizes=tuple(range(1, 9)), repeats=5).points)
-    assert runner.calls == 8 * 6  # a warm-up round, then 5
+    assert runner.calls == 8 * 6  # a warm-up run, then 5, per size
     assert pts[3] == pytest.approx(1.3) and pts[4] == pytest.approx(1.4)
     assert pts[5] == pytest.approx(1.6) == pts[6]
     assert all(pts[n] <= pts[n + 1] for n in range(1, 8))

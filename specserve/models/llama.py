@@ -15,7 +15,7 @@ from torch import nn
 from .config import ModelConfig
 from . import fused
 from .forward_batch import ForwardBatch
-from .quant import linear
+from .quant import BlockQuantWeight, linear
 
 if TYPE_CHECKING:
     from ..dist.comm import TensorParallel
@@ -150,6 +150,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
         self.tp: "TensorParallel | None" = None  # set by dist.attach on a tensor-parallel shard
+        self._stack: tuple[object, tuple | None] | None = None  # (first qkv weight, _layer_stack's result)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed) if self.tp is None else self.tp.embed(ids, self.embed)
@@ -206,7 +207,17 @@ class LlamaModel(nn.Module):
         ops, eps = torch.ops.specserve, self.cfg.rms_norm_eps
         x = self.embed_tokens(fb.input_ids)  # a fresh tensor: the residual stream, updated in place
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
-        captured: list[torch.Tensor] = []
+        stack = self._layer_stack()
+        if stack is not None:  # the whole loop below as one C++ op (kernels/csrc/decoder.cpp), same ops in order
+            captured = ops.decoder_layers(
+                x, h, stack[0], stack[1], self.cos_table, self.sin_table, fb.positions, fb.slot_mapping, k_caches,
+                v_caches, fb.q_start, fb.ctx_slots, fb.ctx_start, fb.ctx_first, fb.mask, fb.mask_start,
+                fb.causal and fb.mask is None, fb.window or 0, 1.0 / math.sqrt(self.cfg.head_dim), eps,
+                list(capture_layers))
+            if fb.logits_index is not None:
+                x = x[fb.logits_index]
+            return ops.rms_norm(x, self.norm, eps), captured
+        captured = []
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             out = layer.forward_fused(x, h, fb, self.cos_table, self.sin_table, k_caches[i], v_caches[i])
@@ -219,6 +230,29 @@ class LlamaModel(nn.Module):
         if fb.logits_index is not None:
             x = x[fb.logits_index]
         return ops.rms_norm(x, self.norm, eps), captured
+
+    def _layer_stack(self) -> tuple[list[torch.Tensor | None], list[int]] | None:
+        """The layers' weights flattened for decoder_layers, when every projection is block-quantized and
+        nothing runs between the ops (no qkv bias, q/k norm or tensor-parallel all-reduce); else None.
+        Built at the first forward after the weights are final (quantize_model swaps them in place)."""
+        first = self.layers[0].qkv_w
+        if self._stack is not None and self._stack[0] is first:
+            return self._stack[1]
+        stack = None
+        names = ("qkv_w", "o_w", "gate_up_w", "down_w")
+        if self.tp is None and all(isinstance(getattr(l, a), BlockQuantWeight) and l.qkv_b is None and l.q_norm is None
+                                   and l.tp is None for l in self.layers for a in names):
+            weights: list[torch.Tensor | None] = []
+            dims: list[int] = []
+            for layer in self.layers:
+                for a in names:
+                    bw = getattr(layer, a)
+                    weights += [bw.wp, bw.wd, bw.wm]
+                    dims += [bw.shape[0], bw.bits]
+                weights += [layer.input_norm, layer.post_norm]
+            stack = (weights, dims + [self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim])
+        self._stack = (first, stack)
+        return stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 (or fp64 for fp64 models): sampling math never runs in bf16."""

@@ -1,0 +1,87 @@
+// The lean layer loop in C++: every decoder layer of a Llama-family target whose projections are block-quantized
+// (w4a8 / w8a8), as one op. The Python loop (models/llama.py, LlamaModel._forward_fused) calls the same ops in
+// the same order, so results are bit-identical; what goes away is the interpreter between them (~60 Python-level
+// calls per layer, about a third of a SmolLM2 decode step).
+//
+// Per layer: qkv = qgemm(h); rope_kv_write; paged_attention; x += qgemm(o); h = add_rms_norm(x, ·);
+// out = qgemm(silu_mul(qgemm(h))); then the next layer's input norm fused with the residual add (the last
+// layer adds `out` to x and leaves the final norm to the caller).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t PER_LAYER = 14;  // qkv, o, gate_up, down: (codes, scales, offsets?) each; input_norm, post_norm
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+using QgemmSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                            int64_t, int64_t, int64_t);
+using AttnSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                           const c10::optional<at::Tensor>&, bool, int64_t, double);
+using RopeSig = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&);
+using AddNormSig = at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using SiluSig = at::Tensor(const at::Tensor&);
+
+// x: the residual stream [T, H] (updated in place); h = input_norm_0(x). weights: PER_LAYER per layer (offsets
+// may be None); dims: per layer (n, bits) of qkv, o, gate_up, down, then (heads, kv_heads, head_dim).
+// Returns the hidden states after the layers in `capture` (copies: x keeps changing).
+std::vector<at::Tensor> decoder_layers(at::Tensor& x, const at::Tensor& h0, const c10::List<c10::optional<at::Tensor>>& weights,
+                                       at::IntArrayRef dims, const at::Tensor& cos, const at::Tensor& sin,
+                                       const at::Tensor& positions, const at::Tensor& slot_mapping,
+                                       at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& q_start,
+                                       const at::Tensor& ctx_slots, const at::Tensor& ctx_start,
+                                       const at::Tensor& ctx_first, const c10::optional<at::Tensor>& mask,
+                                       const c10::optional<at::Tensor>& mask_start, bool causal, int64_t window,
+                                       double scale, double eps, at::IntArrayRef capture) {
+  static const auto qgemm = op<QgemmSig>("specserve::qgemm");
+  static const auto attention = op<AttnSig>("specserve::paged_attention");
+  static const auto rope_kv_write = op<RopeSig>("specserve::rope_kv_write");
+  static const auto add_rms_norm = op<AddNormSig>("specserve::add_rms_norm");
+  static const auto silu_mul = op<SiluSig>("specserve::silu_mul");
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER && static_cast<int64_t>(dims.size()) == L * 8 + 3 &&
+                  static_cast<int64_t>(v_caches.size()) == L,
+              "decoder_layers: ", L, " layers need ", L * PER_LAYER, " weights and ", L * 8 + 3, " dims");
+  const int64_t nq = dims[L * 8], nkv = dims[L * 8 + 1], hd = dims[L * 8 + 2], T = x.size(0);
+  auto w = [&](int64_t i) -> at::Tensor { return weights.get(i).value(); };
+  auto linear = [&](const at::Tensor& in, int64_t layer, int j) {
+    const int64_t base = layer * PER_LAYER + 3 * j;
+    return qgemm.call(in, w(base), w(base + 1), weights.get(base + 2), dims[layer * 8 + 2 * j], dims[layer * 8 + 2 * j + 1], -1);
+  };
+  std::vector<at::Tensor> captured;
+  at::Tensor h = h0;
+  for (int64_t i = 0; i < L; ++i) {
+    const auto parts = linear(h, i, 0).split_with_sizes({nq * hd, nkv * hd, nkv * hd}, -1);
+    at::Tensor q = parts[0].view({T, nq, hd});
+    const at::Tensor k = parts[1].view({T, nkv, hd}), v = parts[2].view({T, nkv, hd});
+    at::Tensor kc = k_caches[i], vc = v_caches[i];
+    rope_kv_write.call(q, k, v, cos, sin, positions, kc, vc, slot_mapping);
+    const at::Tensor o = linear(attention.call(q, kc, vc, q_start, positions, ctx_slots, ctx_start, ctx_first, mask,
+                                               mask_start, causal, window, scale), i, 1);
+    h = add_rms_norm.call(x, o, w(i * PER_LAYER + 13), eps);
+    const at::Tensor out = linear(silu_mul.call(linear(h, i, 2)), i, 3);
+    if (i + 1 < L) h = add_rms_norm.call(x, out, w((i + 1) * PER_LAYER + 12), eps);
+    else x.add_(out);
+    if (std::find(capture.begin(), capture.end(), i) != capture.end()) captured.push_back(x.clone());
+  }
+  return captured;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("decoder_layers(Tensor(a!) x, Tensor h, Tensor?[] weights, int[] dims, Tensor cos, Tensor sin, "
+        "Tensor positions, Tensor slot_mapping, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor q_start, "
+        "Tensor ctx_slots, Tensor ctx_start, Tensor ctx_first, Tensor? mask, Tensor? mask_start, bool causal, "
+        "int window, float scale, float eps, int[] capture) -> Tensor[]");
+  m.impl("decoder_layers", c10::DispatchKey::CPU, &decoder_layers);
+}

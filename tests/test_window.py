@@ -184,24 +184,27 @@ def test_cost_curve_is_dense_where_small_windows_fall(tmp_path) -> None:  # noqa
 
 @pytest.mark.parametrize("draft_s,plain_s,expect_draft", [(0.02, 0.03, True), (0.04, 0.03, False)])
 def test_draft_gate_follows_the_faster_arm_and_keeps_exploring(draft_s: float, plain_s: float, expect_draft: bool) -> None:
-    gate = DraftGate(warmup=2, explore=5)
+    gate = DraftGate(warmup=2, explore=5, max_explore=20)
     decisions = []
-    for _ in range(40):
+    for _ in range(80):
         d = gate.allow(4)
         decisions.append(d)
         drafted = d != "closed"
         gate.observe(4, "draft" if drafted else None, (draft_s if drafted else plain_s) * 4, 4)  # s/token of the arm
     assert decisions[:4] == ["explore", "explore", "closed", "closed"]  # warm-up: each arm measured first
     later = decisions[10:]
-    flips = [s % 5 == 0 for s in range(11, 41)]  # exploration steps: the other arm is measured again
-    want = [("closed" if f else "open") if expect_draft else ("explore" if f else "closed") for f in flips]
-    assert later == want
+    if expect_draft:  # open; plain decoding is measured again every 5th step
+        assert later == ["closed" if s % 5 == 0 else "open" for s in range(11, 81)]
+    else:  # closed; explored again after 5 steps, then 10, then every 20 (the cap)
+        explored = [i for i, d in enumerate(decisions) if d == "explore"][2:]
+        assert explored[0] == 8 and [b - a for a, b in zip(explored, explored[1:])] == [10, 20, 20, 20]
+        assert set(later) == {"closed", "explore"}
     assert gate.bucket(3) == gate.bucket(4) == 4 and gate.bucket(1) == 1 and gate.bucket(5) == 8
 
 
 def test_draft_gate_judges_each_source_on_its_own() -> None:
     """HYBRID: a free lookup that pays stays open while a learned drafter that costs more than it gains is
-    closed (explored, i.e. drafted in full to be measured again, only every `explore` steps)."""
+    closed (explored, i.e. drafted in full to be measured again, at growing intervals)."""
     gate = DraftGate(warmup=2, explore=5)
     per_token = {"lookup": 0.02, "learned": 0.05, None: 0.03}
     opened = {"lookup": [], "learned": []}
@@ -214,8 +217,9 @@ def test_draft_gate_judges_each_source_on_its_own() -> None:
         gate.observe(1, arm, per_token[arm], 1)
     later = {s: opened[s][10:] for s in opened}  # after warm-up; every 5th step of a source flips
     assert later["lookup"].count("open") == len(later["lookup"]) - len(later["lookup"]) // 5  # pays: open
-    assert later["learned"].count("closed") == len(later["learned"]) - len(later["learned"]) // 5  # does not
-    assert later["learned"].count("explore") == len(later["learned"]) // 5
+    explored = [i for i, d in enumerate(opened["learned"]) if d == "explore"][4:]  # after its warm-up
+    assert explored == [10, 20, 40]  # does not pay: explored again at doubling intervals
+    assert later["learned"].count("closed") == len(later["learned"]) - 3
 
 
 def test_cost_policy_forces_full_windows_for_an_explored_source(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,8 @@ import torch
 
 from ..core import Request
 
+#: bumped when CostModel.measure changes (3: ascending sizes, medians of 5, non-decreasing)
+CURVE_VERSION = 3
 #: verify sizes the cost curve is measured at: every n up to 17, then sparser
 COST_SIZES = tuple(range(1, 18)) + (24, 32, 48, 64)
 
@@ -79,8 +81,8 @@ class CostModel:
     def cached(cls, runner, key: str, cache_dir: Path | None = None) -> "CostModel":  # noqa: ANN001
         """Measured once per model/dtype/threads on this machine and cached as JSON."""
         cache_dir = cache_dir or Path.home() / ".cache" / "specserve" / "cost"
-        # NOTE: "dense" in the name: caches of the old power-of-two curve are not reused
-        path = cache_dir / f"{key}-t{torch.get_num_threads()}-dense.json"
+        # NOTE: the measuring method's version in the name: curves cached by an older method are not reused
+        path = cache_dir / f"{key}-t{torch.get_num_threads()}-curve{CURVE_VERSION}.json"
         if path.exists():
             return cls([tuple(p) for p in json.loads(path.read_text())])
         model = cls.measure(runner)
@@ -130,23 +132,25 @@ class DraftGate:
     (a drafter's `sources`: HYBRID has a free prompt lookup and a learned drafter that costs a forward),
     an EMA of seconds per emitted token over decode steps whose costliest drafting source was that one,
     and over steps that did not draft. Once both are measured, a source may draft only while it measures
-    faster than plain decoding; its closed arm is re-tried every `explore` steps of that bucket, so a
-    change of workload or context length is noticed. The cost model still chooses the windows whenever
+    faster than plain decoding; its closed arm is re-tried after `explore` steps of that bucket, then at
+    doubling intervals while it keeps losing (up to `max_explore`), so a change of workload or context
+    length is noticed at a bounded cost. The cost model still chooses the windows whenever
     drafting is allowed; the gate only catches what the model misestimates (a drafter whose gain and cost
     nearly cancel), bounding the loss to the exploration steps. Gating per source keeps the free lookups
     on while a learned drafter that does not pay is off."""
 
     warmup: int = 3
     explore: int = 20
+    max_explore: int = 320
     decay: float = 0.8
-    stats: dict = field(default_factory=dict)  # bucket → {"plain": [n, ema], source: [n, ema], "steps": {source: k}}
+    stats: dict = field(default_factory=dict)  # bucket → {"plain": [n, ema], source: [n, ema], "steps", "wait"}
 
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(0, batch - 1).bit_length()
 
     def _bucket(self, batch: int) -> dict:
-        return self.stats.setdefault(self.bucket(batch), {"plain": [0, 0.0], "steps": {}})
+        return self.stats.setdefault(self.bucket(batch), {"plain": [0, 0.0], "steps": {}, "wait": {}})
 
     def allow(self, batch: int, source: str = "draft") -> str:
         """"open" (the cost model plans the windows), "closed" (no drafts from this source), or "explore"
@@ -159,10 +163,19 @@ class DraftGate:
             return "explore"
         if st["plain"][0] < self.warmup:
             return "closed"
-        flip = step % self.explore == 0
+        wait = st["wait"]  # source → [steps since its last exploration, the current interval]
         if arm[1] <= st["plain"][1]:
-            return "closed" if flip else "open"
-        return "explore" if flip else "closed"
+            wait[source] = [0, self.explore]
+            return "closed" if step % self.explore == 0 else "open"
+        # NOTE: a closed source is explored after `explore` steps, then twice as long each time it still loses
+        # (up to max_explore): an exploration drafts in full, which for a learned drafter that does not pay
+        # costs several decode steps (measured: ~4x for the shipped DSpark on SmolLM2 w4a8)
+        since, interval = wait.setdefault(source, [0, self.explore])
+        if since + 1 >= interval:
+            wait[source] = [0, min(2 * interval, self.max_explore)]
+            return "explore"
+        wait[source][0] = since + 1
+        return "closed"
 
     def observe(self, batch: int, source: str | None, seconds: float, tokens: int) -> None:
         """One decode step: `source` = the costliest source that drafted, None = nobody drafted."""

@@ -137,18 +137,21 @@ def run(a: argparse.Namespace) -> dict:
     for fn in baselines.values():
         fn(prompts[:1], 8)
     results: dict[str, Any] = {}
-    lossless: dict[str, int] = {}  # batch size → batches whose tokens differ from the first configuration's
+    # batch size → configuration → batches whose tokens differ from the first configuration's (a speculative
+    # configuration of the same mode must stay at 0: lossless; another quantization mode may differ)
+    lossless: dict[str, dict[str, int]] = {}
     for bs in a.batch_sizes:
         batches = [prompts[i : i + bs] for i in range(0, len(prompts) - bs + 1, bs)]
         tot: dict[str, list[float]] = {}
-        differ = 0  # batches whose tokens differ from the first configuration's (must stay 0: lossless)
+        differ: dict[str, int] = {}
         for batch in tqdm(batches, desc=f"batch {bs}", leave=False):
             ref = None
             for name, llm in engines.items():
                 t = time.perf_counter()
                 outs = llm.generate(batch, sp)
                 toks = [o.token_ids for o in outs]
-                differ += ref is not None and toks != ref
+                if ref is not None and toks != ref:
+                    differ[name] = differ.get(name, 0) + 1
                 ref = toks if ref is None else ref
                 _acc(tot, name, time.perf_counter() - t, sum(len(o.token_ids) for o in outs),
                      sum(o.meta_info.get("spec_verify_ct", 0) for o in outs),
@@ -161,8 +164,9 @@ def run(a: argparse.Namespace) -> dict:
                 _acc(tot, name, time.perf_counter() - t, a.max_new_tokens * len(batch), 0, 0)
         results[str(bs)] = _summarize(tot, bs)
         lossless[str(bs)] = differ
-        if differ:
-            print(f"WARNING: {differ} batches of size {bs} differ from the first configuration's tokens")
+        for name, n in differ.items():
+            print(f"WARNING: {n} of {len(batches)} batches of size {bs} differ from the first configuration's tokens "
+                  f"in {name}")
         _print(bs, results[str(bs)])
     path = record("speed", a, results, {"batches_differing_from_first_config": lossless})
     _plot(results, a.plot or str(path.with_suffix(".png")))

@@ -22,8 +22,8 @@ from tests.tiny import reference_greedy
                                        ("eagle3", {"speculative_num_draft_tokens": 3})])
 def test_hybrid_greedy_equals_plain(trained: dict, monkeypatch: pytest.MonkeyPatch, algo: str, opts: dict) -> None:
     used = {"lookup": 0, "learned": 0}
-    real_lookup = hybrid.ngram_lookup
-    monkeypatch.setattr(hybrid, "ngram_lookup", lambda *a: (r := real_lookup(*a)) and used.update(
+    real_lookup = hybrid.NgramIndex.lookup
+    monkeypatch.setattr(hybrid.NgramIndex, "lookup", lambda *a: (r := real_lookup(*a)) and used.update(
         lookup=used["lookup"] + 1) or r)
     llm = LLM.from_model(_target(), speculative_algorithm="HYBRID", kv_cache_memory="512KiB",
                          speculative_draft_model_path=str(trained["artifacts"][algo]), **opts)
@@ -56,3 +56,20 @@ def test_hybrid_flags() -> None:
         LLM.from_model(_target(), speculative_algorithm="HYBRID", speculative_eagle_topk=2)
     with pytest.raises(ValueError, match="none ships"):
         LLM.from_model(_target(), speculative_algorithm="HYBRID")
+
+
+def test_ngram_index_equals_the_scan() -> None:
+    """NgramIndex (incremental, per request) answers what ngram_lookup's scan of the whole context does, for
+    contexts that grow by 1..5 tokens a step, every k, and a context that is not an extension (re-indexed)."""
+    from specserve.drafters.ngram import NgramIndex, ngram_lookup
+
+    rng = random.Random(0)
+    for min_match, max_match in ((1, 4), (3, 4), (2, 2), (1, 1)):
+        for _ in range(20):
+            idx, ids = NgramIndex(min_match, max_match), []
+            for _ in range(30):
+                ids = ids + [rng.randrange(4) for _ in range(rng.randint(1, 5))]  # small vocabulary: many matches
+                k = rng.randint(0, 6)
+                assert idx.lookup(ids, k) == ngram_lookup(ids, min_match, max_match, k), (ids, k)
+            other = [rng.randrange(4) for _ in range(len(ids) // 2)]
+            assert idx.lookup(other, 3) == ngram_lookup(other, min_match, max_match, 3)

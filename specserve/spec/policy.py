@@ -132,13 +132,13 @@ class CostPolicy(WindowPolicy):
     def plan(self, reqs: list[Request], limits: list[int]) -> list[int]:
         sources = [r.draft_source for r in reqs]  # set by the engine before planning
         gate = {s: self.draft_gate.allow(len(reqs), s) for s in dict.fromkeys(sources)}
-        self.forced = [gate[s] == "explore" for s in sources]  # full windows: measure this source
-        open_limits = [w if gate[s] == "open" else 0 for w, s in zip(limits, sources)]
+        self.forced = [gate[s] == "explore" for s in sources]  # at least one draft: measure this source
+        open_limits = [w if gate[s] != "closed" else 0 for w, s in zip(limits, sources)]
         plan, self.predicted = cost_windows(reqs, open_limits, self.cost_model, self.draft_cost_model,
-                                            self.step_overhead.cost(reqs))
+                                            self.step_overhead.cost(reqs), base=self.step_overhead.base)
+        plan = [max(k, min(w, 1)) if f else k for w, k, f in zip(limits, plan, self.forced)]
         if self.whole:  # the cost model picks who drafts; the window is cut after drafting
             plan = [w if k else 0 for w, k in zip(limits, plan)]
-        plan = [w if f else k for w, k, f in zip(limits, plan, self.forced)]
         if any(self.forced):
             self.predicted = self._predict(plan)
         drafting = [s for s, k in zip(sources, plan) if k]
@@ -149,9 +149,9 @@ class CostPolicy(WindowPolicy):
         if not self.whole:
             return windows
         curves = accept_curves(reqs, proposal, windows)
-        out, self.predicted = cost_windows(reqs, [0 if f else len(c) for c, f in zip(curves, self.forced)],
-                                           self.cost_model, None, self.step_overhead.cost(reqs), curves)
-        out = [len(c) if f else k for c, k, f in zip(curves, out, self.forced)]
+        out, self.predicted = cost_windows(reqs, [len(c) for c in curves], self.cost_model, None,
+                                           self.step_overhead.cost(reqs), curves, self.step_overhead.base)
+        out = [max(k, min(len(c), 1)) if f else k for c, k, f in zip(curves, out, self.forced)]
         if any(self.forced):
             self.predicted = self._predict(out)
         return out

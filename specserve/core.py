@@ -111,7 +111,7 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # top-N alternatives (token id, logprob), best first
 
 
-@dataclass
+@dataclass(eq=False)  # NOTE: an entity: compared by identity (a field-by-field == made `req in running` O(fields))
 class Request:
     """One sequence. NOTE: committed_len counts tokens whose KV is final in the target pool;
     tokens [committed_len, len(all_ids)) are known but their KV is not (the last token, always)."""

@@ -40,7 +40,7 @@ def accept_tree(req: Request, raw: torch.Tensor, draft: list[int], parents: list
         if req.params.greedy:
             return x
         p = _probs(x)
-        if not bool(torch.isfinite(p).all()):
+        if not all_finite(p):
             raise ValueError(_BAD_P)
         return p
 
@@ -51,11 +51,20 @@ def accept_tree(req: Request, raw: torch.Tensor, draft: list[int], parents: list
     return AcceptResult(len(path), [draft[v] for v in path] + [y], path=path)
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN and no ±inf in t. NOTE: one fused min/max pass (NaN propagates into both), ~4x cheaper than
+    isfinite().all() on a vocabulary row; it runs per request per step."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.Tensor | None, configured: str,
                    parents: list[int] | None = None) -> AcceptResult:
     """raw: target logits [k+1, V] from verify. NaN/Inf fails this request only; so does a grammar
     that allows no token (the NaN check runs first, on the unmasked logits)."""
-    if not bool(torch.isfinite(raw).all()):
+    if not all_finite(raw):
         return AcceptResult(0, [], error="target logits contain NaN/Inf for this request; request failed")
     try:
         if parents is not None:
@@ -70,7 +79,7 @@ def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.T
         n, y = accept_greedy(x, draft)
     else:
         p = _probs(x)
-        if not bool(torch.isfinite(p).all()):
+        if not all_finite(p):
             return AcceptResult(0, [], error=_BAD_P)
         if rule == "onehot":
             n, y = accept_onehot(p, draft, req.generator)

@@ -173,11 +173,14 @@ class DraftGate:
         arm = st.setdefault(source, [0, 0.0])
         step = st["steps"][source] = st["steps"].get(source, 0) + 1
         measured = arm[0] >= self.warmup
-        if not measured and not self._loses_below(batch, source):  # measure each arm first
-            return "explore"
+        wait = st["wait"]  # source → [steps since its last exploration, the current interval]
+        if not measured:
+            below = self._loses_below(batch, source)
+            if below is None:  # measure each arm first
+                return "explore"
+            wait.setdefault(source, [0, below])
         if st["plain"][0] < self.warmup:
             return "closed"
-        wait = st["wait"]  # source → [steps since its last exploration, the current interval]
         if measured and arm[1] <= st["plain"][1]:
             wait[source] = [0, self.explore]
             return "closed" if step % self.explore == 0 else "open"
@@ -191,18 +194,19 @@ class DraftGate:
         wait[source][0] = since + 1
         return "closed"
 
-    def _loses_below(self, batch: int, source: str) -> bool:
-        """Whether `source` measured slower than plain decoding in the largest smaller bucket where both were
-        measured. NOTE: drafting pays less as the batch grows (verifying more tokens costs more once the GEMMs
-        are compute-bound), so such a source starts closed here instead of warming up with full-window drafts
-        (a batch-8 warm-up of the shipped DSpark cost 13 % of a 64-token run); it is still explored later."""
+    def _loses_below(self, batch: int, source: str) -> int | None:
+        """If `source` measured slower than plain decoding in the largest smaller bucket where both were
+        measured: that bucket's exploration interval for it, else None. NOTE: drafting pays less as the batch
+        grows (verifying more tokens costs more once the GEMMs are compute-bound), so such a source starts
+        closed here, explored no more often than below, instead of warming up (each batch-8 exploration of
+        the shipped DSpark cost ~3.5 plain steps: its catch-up over every position since the last one)."""
         b = self.bucket(batch) // 2
         while b >= 1:
             st = self.stats.get(b)
             if st and st["plain"][0] >= self.warmup and st.get(source, [0])[0] >= self.warmup:
-                return st[source][1] > st["plain"][1]
+                return st["wait"].get(source, [0, self.explore])[1] if st[source][1] > st["plain"][1] else None
             b //= 2
-        return False
+        return None
 
     def observe(self, batch: int, source: str | None, seconds: float, tokens: int) -> None:
         """One decode step: `source` = the costliest source that drafted, None = nobody drafted."""

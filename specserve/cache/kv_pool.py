@@ -69,8 +69,15 @@ class KVPool:
         return max(0, -(-num_tokens // self.page_size) - len(page_table))
 
     def slots(self, page_table: list[int], start: int, end: int) -> list[int]:
-        ps = self.page_size
-        return [page_table[p // ps] * ps + p % ps for p in range(start, end)]
+        """Pool slots of positions start..end-1: one range per page (runs per request per step)."""
+        ps, out, i = self.page_size, [], start
+        while i < end:
+            page, off = divmod(i, ps)
+            n = min(ps - off, end - i)
+            first = page_table[page] * ps + off
+            out.extend(range(first, first + n))
+            i += n
+        return out
 
     def release(self, page_table: list[int]) -> None:
         self.allocator.free([p for p in page_table if p >= 0])

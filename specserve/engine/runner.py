@@ -17,12 +17,6 @@ class ModelRunner:
         self.model, self.kv = model, kv
         self.states = states  # hybrid models: the recurrent-state slots beside the KV pool
 
-    def _slots(self, page_table: list[int], start: int, end: int) -> list[int]:
-        ps = self.kv.page_size
-        pt = torch.tensor(page_table, dtype=torch.long)
-        idx = torch.arange(start, end)
-        return (pt[idx // ps] * ps + idx % ps).tolist()
-
     @torch.no_grad()
     def forward(
         self,
@@ -45,7 +39,7 @@ class ModelRunner:
         slot_lists, ctx_lists, logits_index = [], [], []
         base = 0
         for pt, s, toks, offs in zip(page_tables, starts, tokens, logits_offsets):
-            ctx = self._slots(pt, 0, s + len(toks))
+            ctx = self.kv.slots(pt, 0, s + len(toks))
             ctx_lists.append(ctx)
             slot_lists.append(ctx[s:])
             logits_index.extend(base + o for o in offs)

@@ -31,15 +31,25 @@ class FeatState:
     page_table: list[int] = field(default_factory=list)
     done: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)
+    # NOTE: rows in `pending`, kept rather than summed: the list grows by one tensor per step while a window
+    # policy keeps the drafter from drafting, and every commit asks for it
+    num_pending: int = 0
 
-    @property
-    def num_pending(self) -> int:
-        return sum(len(p) for p in self.pending)
+    def __post_init__(self) -> None:
+        self.num_pending = sum(len(p) for p in self.pending)
+
+    def add(self, feats: torch.Tensor) -> None:
+        self.pending.append(feats)
+        self.num_pending += len(feats)
 
     def take(self) -> torch.Tensor:
         out = torch.cat(self.pending) if len(self.pending) != 1 else self.pending[0]
-        self.pending = []
+        self.pending, self.num_pending = [], 0
         return out
+
+    def restore(self, done: int, pending: list[torch.Tensor]) -> None:
+        self.done, self.pending = done, pending
+        self.num_pending = sum(len(p) for p in pending)
 
 
 class LearnedDrafter(Drafter):
@@ -78,7 +88,7 @@ class LearnedDrafter(Drafter):
         except Exception:
             for rid, (done, pending) in saved.items():
                 if rid in self.state:
-                    self.state[rid].done, self.state[rid].pending = done, pending
+                    self.state[rid].restore(done, pending)
             raise
 
     @abstractmethod
@@ -112,7 +122,7 @@ class LearnedDrafter(Drafter):
         for (req, start, _), f in zip(chunks, feats or []):
             st = self._st(req)
             if self._covered(st) == start:
-                st.pending.append(f.to(self.dtype))
+                st.add(f.to(self.dtype))
 
     def commit(self, reqs: list[Request], num_accepted: list[int], feats: list[torch.Tensor] | None = None) -> None:
         for req, n, f in zip(reqs, num_accepted, feats or []):
@@ -121,7 +131,7 @@ class LearnedDrafter(Drafter):
                 continue
             # verify covered positions committed_len_before .. +n (the last token and n accepted drafts)
             if self._covered(st) == req.committed_len - n - 1:
-                st.pending.append(f[: n + 1].to(self.dtype))
+                st.add(f[: n + 1].to(self.dtype))
 
     def release(self, req: Request) -> None:
         st = self.state.pop(req.request_id, None)

@@ -13,14 +13,13 @@ def test_capture_layers_returns_hidden_states_of_chosen_layers() -> None:
     import torch.nn.functional as F
 
     from specserve.cache.kv_pool import KVPool
-    from specserve.engine.runner import ModelRunner
     from specserve.models.forward_batch import build_forward_batch
 
     m = tiny_model("llama", layers=3)
     kv = KVPool(m.cfg, 4, 16, m.dtype)
     pt: list[int] = []
     kv.ensure(pt, 6)
-    slots = ModelRunner(m, kv)._slots(pt, 0, 6)
+    slots = kv.slots(pt, 0, 6)
     fb = build_forward_batch([[1, 2, 3, 4, 5, 6]], [0], [slots], [slots], None)
     final, captured = m(fb, kv.k, kv.v, capture_layers=(0, 2))
     assert len(captured) == 2 and all(c.shape == (6, m.cfg.hidden_size) for c in captured)

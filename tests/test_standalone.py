@@ -77,7 +77,7 @@ def test_draft_kv_matches_committed_tokens(dirs: dict[str, str]) -> None:
         pt: list[int] = []
         kv.ensure(pt, len(ids))
         ModelRunner(d.runner.model, kv).forward([pt], [0], [ids], [[]])
-        slots = d.runner._slots(st.page_table, 0, st.done)
+        slots = d.runner.kv.slots(st.page_table, 0, st.done)
         for layer in range(len(kv.k)):
             assert torch.allclose(d.kv.k[layer][slots], kv.k[layer][: len(ids)], atol=1e-10)
             assert torch.allclose(d.kv.v[layer][slots], kv.v[layer][: len(ids)], atol=1e-10)

@@ -6,6 +6,11 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "attention_avx512.h"
+#include "attention_math.h"
 
 namespace {
 
@@ -60,6 +65,37 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta_, const at::Tenso
   return y;
 }
 
+// silu(x) = x·σ(x) in float with e = exp(−|x|) ≤ 1 (the attention kernels' exp_poly: defined for x ≤ 0,
+// ≈1 ulp, and lane-wise bit-identical as exp16): x/(1 + e) for x ≥ 0, x·e/(1 + e) below. NaN stays NaN.
+SS_INLINE float silu_f(float x) {
+  const float e = specserve_attn::exp_poly(-std::fabs(x)), d = 1.0f + e;
+  return x >= 0.0f ? x / d : (x * e) / d;
+}
+
+void silu_mul_rows(const float* g, float* y, int64_t a, int64_t b, int64_t I) {
+  for (int64_t r = a; r < b; ++r)
+    for (int64_t i = 0; i < I; ++i) y[r * I + i] = silu_f(g[r * 2 * I + i]) * g[r * 2 * I + I + i];
+}
+
+#if defined(__x86_64__)
+// The same operations 16 lanes at a time (NOTE: mul, div, fma, max and sign flips round like their scalar
+// forms, so rows match silu_mul_rows bit for bit). Prefill spends ~13 % of its time here with std::exp.
+SS_AVX512 void silu_mul_rows_avx512(const float* g, float* y, int64_t a, int64_t b, int64_t I) {
+  using namespace specserve_attn;
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  for (int64_t r = a; r < b; ++r)
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 m = I - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (I - i)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(m, g + r * 2 * I + i), u = _mm512_maskz_loadu_ps(m, g + r * 2 * I + I + i);
+      const __m512 neg = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));  // −|x|
+      const __m512 e = exp16(neg), d = _mm512_add_ps(c(1.0f), e);
+      const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+      const __m512 num = _mm512_mask_mul_ps(x, static_cast<__mmask16>(~pos), x, e);  // x where x ≥ 0, else x·e
+      _mm512_mask_storeu_ps(y + r * I + i, m, _mm512_mul_ps(_mm512_div_ps(num, d), u));
+    }
+}
+#endif
+
 // silu(gate) * up for gate_up = [gate | up] of shape [T, 2I] → [T, I].
 at::Tensor silu_mul(const at::Tensor& gu_) {
   at::Tensor gu = gu_.contiguous();
@@ -67,7 +103,22 @@ at::Tensor silu_mul(const at::Tensor& gu_) {
   auto sizes = gu.sizes().vec();
   sizes.back() = I;
   at::Tensor y = at::empty(sizes, gu.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "silu_mul", [&] {
+  if (gu.scalar_type() == at::kFloat) {
+    const float* g = gu.data_ptr<float>();
+    float* yd = y.data_ptr<float>();
+#if defined(__x86_64__)
+    static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const char* impl = std::getenv("SPECSERVE_ATTN_IMPL");  // portable|avx2 also lower this op (tests)
+    if (avx512 && !(impl && *impl && std::strcmp(impl, "auto") != 0)) {
+      at::parallel_for(0, rows, 4, [&](int64_t a, int64_t b) { silu_mul_rows_avx512(g, yd, a, b, I); });
+      return y;
+    }
+#endif
+    at::parallel_for(0, rows, 4, [&](int64_t a, int64_t b) { silu_mul_rows(g, yd, a, b, I); });
+    return y;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "silu_mul", [&] {  // bf16, fp64 (float: above)
     using F = Acc<scalar_t>;
     const scalar_t* g = gu.data_ptr<scalar_t>();
     scalar_t* yd = y.data_ptr<scalar_t>();

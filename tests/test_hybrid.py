@@ -22,8 +22,8 @@ from tests.tiny import reference_greedy
                                        ("eagle3", {"speculative_num_draft_tokens": 3})])
 def test_hybrid_greedy_equals_plain(trained: dict, monkeypatch: pytest.MonkeyPatch, algo: str, opts: dict) -> None:
     used = {"lookup": 0, "learned": 0}
-    real_lookup = hybrid.NgramIndex.lookup
-    monkeypatch.setattr(hybrid.NgramIndex, "lookup", lambda *a: (r := real_lookup(*a)) and used.update(
+    real_lookup = hybrid.RequestLookups.__call__
+    monkeypatch.setattr(hybrid.RequestLookups, "__call__", lambda *a: (r := real_lookup(*a)) and used.update(
         lookup=used["lookup"] + 1) or r)
     llm = LLM.from_model(_target(), speculative_algorithm="HYBRID", kv_cache_memory="512KiB",
                          speculative_draft_model_path=str(trained["artifacts"][algo]), **opts)

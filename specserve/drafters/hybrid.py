@@ -16,7 +16,7 @@ from .artifact import learned_factory, read_config
 from .base import Capabilities, Drafter, register_drafter
 from .context import DrafterContext
 from .learned import LearnedDrafter
-from .ngram import NgramIndex
+from .ngram import RequestLookups
 
 LONG_MATCH = 3  # HYBRID's default --speculative-ngram-min-match
 
@@ -25,29 +25,23 @@ class HybridDrafter(Drafter):
     sources = ("lookup", "learned")
 
     def __init__(self, learned: LearnedDrafter, min_match: int, max_match: int) -> None:
-        self.learned, self.min_match, self.max_match = learned, min_match, max_match
+        self.learned = learned
         self.label = f"HYBRID(NGRAM+{learned.label})"
         self.aux_layers = learned.aux_layers
         self.supplies_q = learned.supplies_q
         self.default_num_draft_tokens = learned.default_num_draft_tokens
         self.drafts_whole_window = learned.drafts_whole_window
-        self.index: dict[str, NgramIndex] = {}
-
-    def _lookup(self, req: Request, k: int) -> list[int]:
-        idx = self.index.get(req.request_id)
-        if idx is None:
-            idx = self.index[req.request_id] = NgramIndex(self.min_match, self.max_match)
-        return idx.lookup(req.all_ids, k)
+        self.lookup = RequestLookups(min_match, max_match)
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         self.learned.prefill(chunks, feats)
 
     def draft_source(self, req: Request) -> str:
-        return "lookup" if self._lookup(req, 1) else "learned"
+        return "lookup" if self.lookup(req, 1) else "learned"
 
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
         # NOTE: the engine set r.draft_source = draft_source(r) this step, on the same committed context
-        found = [self._lookup(r, w) if r.draft_source == "lookup" else [] for r, w in zip(reqs, window)]
+        found = [self.lookup(r, w) if r.draft_source == "lookup" else [] for r, w in zip(reqs, window)]
         rest = [0 if f else w for f, w in zip(found, window)]
         parts = (self.learned.propose(reqs, rest) if any(rest) else Proposal.empty(len(reqs))).split()
         for b, f in enumerate(found):
@@ -59,7 +53,7 @@ class HybridDrafter(Drafter):
         self.learned.commit(reqs, num_accepted, feats)
 
     def release(self, req: Request) -> None:
-        self.index.pop(req.request_id, None)
+        self.lookup.release(req)
         self.learned.release(req)
 
 

@@ -58,24 +58,34 @@ class NgramIndex:
         return []
 
 
-class NgramDrafter(Drafter):
-    label = "NGRAM"
+class RequestLookups:
+    """Prompt lookup per request: one NgramIndex each, made at its first lookup, dropped at release."""
 
     def __init__(self, min_match: int, max_match: int) -> None:
         self.min_match, self.max_match = min_match, max_match
         self.index: dict[str, NgramIndex] = {}
 
-    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
-        return Proposal(tokens=[self._index(r).lookup(r.all_ids, w) for r, w in zip(reqs, window)])
-
-    def _index(self, r: Request) -> NgramIndex:
-        idx = self.index.get(r.request_id)
+    def __call__(self, req: Request, k: int) -> list[int]:
+        idx = self.index.get(req.request_id)
         if idx is None:
-            idx = self.index[r.request_id] = NgramIndex(self.min_match, self.max_match)
-        return idx
+            idx = self.index[req.request_id] = NgramIndex(self.min_match, self.max_match)
+        return idx.lookup(req.all_ids, k)
 
     def release(self, req: Request) -> None:
         self.index.pop(req.request_id, None)
+
+
+class NgramDrafter(Drafter):
+    label = "NGRAM"
+
+    def __init__(self, min_match: int, max_match: int) -> None:
+        self.lookup = RequestLookups(min_match, max_match)
+
+    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+        return Proposal(tokens=[self.lookup(r, w) for r, w in zip(reqs, window)])
+
+    def release(self, req: Request) -> None:
+        self.lookup.release(req)
 
 
 @register_drafter("NGRAM", Capabilities(extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match")),

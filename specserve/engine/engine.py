@@ -31,7 +31,6 @@ from ..drafters.context import DrafterContext, KVBudget
 from ..dist import start_tensor_parallel
 from ..grammar.backend import GrammarCompiler, GrammarSpec, Matcher
 from ..models import LlamaModel, build_model, default_quantization, resolve_dtype
-from ..models.config import ModelConfig
 from ..spec.accept import accept_request
 from ..spec.grammar import cut_to_grammar, forced_drafts, with_forced
 from ..spec.commit import AdvanceKV, CommitStage, CommitState, Committed, DraftState, Emit, KeepPath
@@ -58,7 +57,7 @@ class Engine:
         elif config.quantization == "none":
             config = replace(config, quantization=None)
         self.model, self.tokenizer, self.dtype = model, tokenizer, model.dtype
-        mcfg: ModelConfig = model.cfg
+        mcfg = model.cfg
         self.config = config = resolve_config(config, mcfg)  # AUTO and the default window made concrete
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         budget = KVBudget(parse_memory(config.kv_cache_memory), mcfg, self.dtype, config.page_size)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -48,9 +49,10 @@ class CostModel:
         (n0, t0), (n1, t1) = pts[-2], pts[-1]
         return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
 
+    @cached_property
     def hull(self) -> "CostModel":
         """The lower convex hull of the points: over a step of the curve, the cost per added token averaged
-        across the step (cost_windows' guide)."""
+        across the step (cost_windows' guide; computed once per curve, not per decode step)."""
         h: list[tuple[int, float]] = []
         for x, y in self.points:
             # drop the last point while it lies on or above the chord from the one before it to (x, y)
@@ -185,8 +187,8 @@ class DraftGate:
             wait[source] = [0, self.explore]
             return "closed" if step % self.explore == 0 else "open"
         # NOTE: a closed source is explored after `explore` steps, then twice as long each time it still loses
-        # (up to max_explore): an exploration drafts in full, which for a learned drafter that does not pay
-        # costs several decode steps (measured: ~4x for the shipped DSpark on SmolLM2 w4a8)
+        # (up to max_explore): exploring a learned drafter that does not pay costs several decode steps (its
+        # forward and catch-up; measured ~4x a step for the shipped DSpark on SmolLM2 w4a8)
         since, interval = wait.setdefault(source, [0, self.explore])
         if since + 1 >= interval:
             wait[source] = [0, min(2 * interval, self.max_explore)]
@@ -242,7 +244,7 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
     alphas = [min(acceptance_estimate(r), 0.999) for r in reqs]
     over = per_request if isinstance(per_request, list) else [per_request] * len(reqs)
     base = max(0.0, base)
-    guide = cost.hull()
+    guide = cost.hull
 
     def gain(b: int, j: int) -> float:
         return gains[b][j] if gains is not None else alphas[b] ** (j + 1)

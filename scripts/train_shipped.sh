@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the drafters shipped in specserve/drafters/shipped/ (SmolLM2-135M-Instruct targets).
+# `ngram` rebuilds the corpus n-gram table (about 2 minutes); the learned drafters train for hours.
 # Both runs share one work dir (regenerated ShareGPT responses + cached target features) and resume
 # from their checkpoints if interrupted. On the 2-core CPU VM they ran side by side, one thread each.
 set -euo pipefail
@@ -8,6 +9,7 @@ WORK=${WORK:-$HOME/.cache/specserve/train/smollm2-135m}
 OUT=specserve/drafters/shipped
 COMMON=(--data regen --target smollm2-135m --work-dir "$WORK" --num-prompts 880 --max-len 640 --batch-tokens 2048 --threads "${THREADS:-1}")
 case "${1:-all}" in
+  ngram|all) .venv/bin/specserve build-ngram-table --target smollm2-135m --out $OUT/smollm2-135m-ngram ;;&
   dspark|all) .venv/bin/specserve train-drafter --algorithm dspark --out $OUT/smollm2-135m-dspark "${COMMON[@]}" \
                 --draft-vocab-size 16384 --block-size 8 --num-anchors 64 --gamma 4 --lr 1e-3 --steps 900 ;;&
   eagle3|all) .venv/bin/specserve train-drafter --algorithm eagle3 --out $OUT/smollm2-135m-eagle3 "${COMMON[@]}" \

@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, chat (interactive), serve (HTTP), bench, train-drafter.
+"""`specserve` command line: generate, chat (interactive), serve (HTTP), bench, train-drafter, build-ngram-table.
 Engine flags come from EngineConfig."""
 from __future__ import annotations
 
@@ -71,11 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(s)
     add_engine_args(s)
     from .bench import add_bench_parser
+    from .train.ngram_build import add_args as add_table_args
     from .train.trainer import add_args as add_train_args
 
     add_bench_parser(sub)
     t = sub.add_parser("train-drafter", help="train an EAGLE-3/MTP/DFlash/DSpark drafter for a target (see docs/training.md)")
     add_train_args(t)
+    n = sub.add_parser("build-ngram-table", help="build the corpus n-gram table NGRAM drafts from (see docs/training.md)")
+    add_table_args(n)
     return parser
 
 
@@ -165,11 +168,11 @@ def main(argv: list[str] | None = None) -> None:
         from .bench import run_bench
 
         return run_bench(a)
-    if a.command == "train-drafter":
-        from .train.trainer import run
+    if a.command in ("train-drafter", "build-ngram-table"):
+        from .train import ngram_build, trainer
 
         try:
-            run(a)
+            (trainer if a.command == "train-drafter" else ngram_build).run(a)
         except (ValueError, FileNotFoundError) as e:
             raise SystemExit(f"specserve: error: {e}") from None
         return None

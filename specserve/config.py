@@ -54,8 +54,9 @@ class EngineConfig:
                                     "up to this many of its forced tokens as drafts (verified like any draft, also "
                                     "without a drafter); 0 = off")
     speculative_algorithm: str | None = _f(None, "drafter: NGRAM, STANDALONE, EAGLE3 (EAGLE), MTP (NEXTN), DFLASH, "
-                                           "DSPARK, HYBRID (n-gram lookup on long matches, else the learned drafter), SYNTHETIC (tests/benchmarks only); NONE = plain decoding; AUTO = HYBRID over the DSpark "
-                                           "shipped for the target, if one ships (the default of serve/generate/chat)")
+                                           "DSPARK, HYBRID (n-gram lookup on long matches, else the learned drafter), SYNTHETIC (tests/benchmarks only); NONE = plain decoding; AUTO = NGRAM over the n-gram "
+                                           "table shipped for the target, else HYBRID over its shipped DSpark, else plain "
+                                           "decoding (the default of serve/generate/chat)")
     speculative_draft_model_path: str | None = _f(None, "draft model for STANDALONE, or a drafter artifact dir for "
                                                   "EAGLE3/MTP/DFLASH/DSPARK (default: the one shipped for the target)")
     speculative_num_draft_tokens: int | None = _f(None, "draft tokens proposed per request per step (K; default 4, "
@@ -87,6 +88,10 @@ class EngineConfig:
                                                "(deterministic drafts, verified one-hot)", unset=False)
     speculative_ngram_min_match: int | None = _f(None, "NGRAM: shortest suffix to match", unset=1)
     speculative_ngram_max_match: int | None = _f(None, "NGRAM: longest suffix to match", unset=4)
+    speculative_ngram_table: str | None = _f(None, "NGRAM: a corpus n-gram table directory that drafts where prompt "
+                                             "lookup finds no match of --speculative-ngram-min-match (default 2 with "
+                                             "a table) tokens; default: the table shipped for the target, if any; "
+                                             "none = prompt lookup only")
     speculative_synthetic_accept_rate: float | None = _f(None, "SYNTHETIC: probability each drafted token is the "
                                                          "target's", unset=0.7)
     speculative_draft_dtype: str | None = _f(None, "dtype of the draft model (default: the target's)",
@@ -130,7 +135,7 @@ class EngineConfig:
         if self.speculative_block_size is not None and self.speculative_block_size < 2:
             raise ValueError(f"--speculative-block-size must be >= 2 (an anchor and at least one MASK), "
                              f"got {self.speculative_block_size}")
-        if self.value("speculative_ngram_max_match") < self.value("speculative_ngram_min_match"):
+        if self.value("speculative_ngram_max_match") < (self.speculative_ngram_min_match or 1):
             raise ValueError("--speculative-ngram-max-match must be >= --speculative-ngram-min-match")
         if self.speculative_algorithm is not None:  # plain decoding ignores the speculative flags
             from .drafters.base import validate_flags

@@ -240,6 +240,8 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_tokens_per_pos: list[int] = field(default_factory=list)
     window_counts: list[int] = field(default_factory=list)  # decode rows by window size chosen (0 = plain)
+    #: draft source → [accepted, tested] positions over every request (the prior of each request's estimate)
+    source_trials: dict[str, list[int]] = field(default_factory=dict)
 
     def record_window(self, k: int) -> None:
         if len(self.window_counts) <= k:

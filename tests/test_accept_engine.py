@@ -79,6 +79,9 @@ ENGINE_CASES = {
     # the first 3 tokens cover draft, correction and bonus positions.
     "synthetic_t1": (SYNTH, dict(temperature=1.0), 4, 10_000),
     "ngram_t1": (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3), dict(temperature=1.0), 3, 20_000),
+    # table drafts (prompt lookup off: no 4-token suffix of PROMPT recurs), one-hot verified at T = 1
+    "ngram_table_t1": (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3, speculative_ngram_min_match=4,
+                            speculative_ngram_table="(tiny table)"), dict(temperature=1.0), 3, 25_000),
     "synthetic_topk_topp": (SYNTH, dict(temperature=1.0, top_k=4, top_p=0.9), 5, 30_000),
     # a sampled model draft carries q, so these run accept_sample / accept_block inside the engine
     "standalone_sample_t1": ({**STANDALONE, "speculative_accept": "sample"}, dict(temperature=1.0), 4, 40_000),
@@ -98,12 +101,29 @@ def in_memory_standalone(monkeypatch):  # noqa: ANN001
         entry, factory=lambda ctx: standalone.StandaloneDrafter(standalone.build_draft_runner(ctx, draft))))
 
 
+@pytest.fixture(scope="module")
+def tiny5_table(tmp_path_factory):  # noqa: ANN001
+    """An n-gram table over the 5-token vocabulary (random text with repeats), so table drafts happen."""
+    import numpy as np
+
+    from specserve.drafters.ngram_table import NgramTable
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (400,), generator=g).numpy()
+    table, _ = NgramTable.build([(ids, np.ones(len(ids), bool))], vocab_size=VOCAB, max_n=2, min_count=2)
+    path = tmp_path_factory.mktemp("tiny5") / "table"
+    table.save(path)
+    return str(path)
+
+
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
-def test_engine_first_tokens_match_target_joint(tiny5, in_memory_standalone, case: str) -> None:  # noqa: ANN001
+def test_engine_first_tokens_match_target_joint(tiny5, tiny5_table, in_memory_standalone, case: str) -> None:  # noqa: ANN001
     from specserve.core import SamplingParams
     from specserve.engine.llm import LLM
 
     opts, sp_kw, max_tokens, seed0 = ENGINE_CASES[case]
+    if "speculative_ngram_table" in opts:
+        opts = {**opts, "speculative_ngram_table": tiny5_table}
     n = ENGINE_N
     proc = (sp_kw["temperature"], sp_kw.get("top_k", -1), sp_kw.get("top_p", 1.0))
     exact = exact_engine_joint(tiny5, *proc)

@@ -207,7 +207,7 @@ def test_cost_policy_skips_drafting_when_a_drafting_request_costs_too_much(train
     for per_request, drafts in ((10.0, False), (0.0, True)):
         llm = _spec_llm(trained, algo, speculative_window="cost", **opts)
         eng = llm.engine
-        eng.policy.step_overhead.per_request, eng.policy.step_overhead.decay = {"draft": per_request}, 1.0  # decay 1: keep it
+        eng.policy.draft_cost.per_request, eng.policy.draft_cost.decay = {"draft": per_request}, 1.0  # decay 1: keep it
         calls = []
         propose = eng.drafter.propose
         eng.drafter.propose = lambda reqs, window: calls.append(window) or propose(reqs, window)  # noqa: B023

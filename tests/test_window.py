@@ -7,7 +7,7 @@ from specserve.config import EngineConfig
 
 from specserve import LLM, SamplingParams
 from specserve.core import Request
-from specserve.spec.cost import CostModel, DraftGate, StepOverhead, cost_windows
+from specserve.spec.cost import CostModel, DraftCost, DraftGate, cost_windows
 
 from .tiny import reference_greedy, tiny_model
 
@@ -55,44 +55,56 @@ def test_draft_cost_shortens_windows() -> None:
     assert dear == [0, 0]  # a draft step as dear as a target step never pays at α ≈ 0.58
 
 
-def test_step_overhead_learns_per_request_cost_and_stops_drafting() -> None:
-    oh = StepOverhead()
+def test_draft_cost_learns_per_request_cost_and_stops_drafting() -> None:
+    dc = DraftCost()
     for _ in range(40):
-        oh.observe(elapsed=1.1, predicted=1.0, active=0)  # plain steps: 0.1 s the curves miss
-        oh.observe(elapsed=2.1, predicted=1.0, active=2, source="draft")  # + 0.5 s per drafting request
-    assert oh.base == pytest.approx(0.1, rel=0.05) and oh.per_request["draft"] == pytest.approx(0.5, rel=0.05)
+        dc.observe(seconds=1.0, predicted=0.0, active=2, source="draft")  # 0.5 s per drafting request
+    assert dc.per_request["draft"] == pytest.approx(0.5, rel=0.05)
     verify = CostModel([(1, 1.0), (64, 1.5)])
     reqs = [_req(6, 10), _req(6, 10)]
     assert cost_windows(reqs, [4, 4], verify)[0] != [0, 0]
-    assert cost_windows(reqs, [4, 4], verify, per_request=oh.cost(reqs))[0] == [0, 0]
+    assert cost_windows(reqs, [4, 4], verify, per_request=dc.cost(reqs))[0] == [0, 0]
 
 
-def test_step_overhead_is_not_biased_by_fast_steps() -> None:
-    """Per-request samples below zero (a step faster than the curves said) count: clamping each sample
-    at 0 made the mean twice the true overhead here and switched off lookups that paid."""
-    oh = StepOverhead()
+def test_draft_cost_is_what_a_model_drafters_curve_misses() -> None:
+    dc = DraftCost()
     for i in range(400):
-        oh.observe(elapsed=1.0 + (0.3 if i % 2 else -0.1), predicted=1.0, active=1, source="draft")
-    assert oh.per_request["draft"] == pytest.approx(0.1, abs=0.03)
-    oh.per_request["draft"] = -0.05
-    assert oh.cost([_req(1, 2)]) == [0.0]  # the estimate is used clamped
+        dc.observe(seconds=1.0 + (0.3 if i % 2 else -0.1), predicted=1.0, active=1, source="draft")
+    assert dc.per_request["draft"] == pytest.approx(0.1, abs=0.03)  # samples below zero count
+    dc.per_request["draft"] = -0.05
+    assert dc.cost([_req(1, 2)]) == [0.0]  # the estimate is used clamped
 
 
-def test_step_overhead_is_per_source() -> None:
+def test_draft_cost_is_per_source() -> None:
     """HYBRID: the learned drafter's forward makes its requests dear; a lookup request stays cheap."""
-    oh = StepOverhead(decay=0.5)
+    dc = DraftCost(decay=0.5)
     for _ in range(10):
-        oh.observe(elapsed=1.0, predicted=1.0, active=0)
-        oh.observe(elapsed=3.0, predicted=1.0, active=1, source="learned")
-        oh.observe(elapsed=1.01, predicted=1.0, active=1, source="lookup")
+        dc.observe(seconds=2.0, predicted=0.0, active=1, source="learned")
+        dc.observe(seconds=0.01, predicted=0.0, active=1, source="lookup")
     lookup, learned = _req(6, 10), _req(6, 10)
     for r, src in ((lookup, "lookup"), (learned, "learned")):
         r.draft_source = src
         r.source_trials = {src: [6, 10]}
-    assert oh.cost([lookup, learned]) == pytest.approx([0.01, 2.0], rel=0.05)
+    assert dc.cost([lookup, learned]) == pytest.approx([0.01, 2.0], rel=0.05)
     verify = CostModel([(1, 1.0), (64, 1.5)])
-    assert cost_windows([lookup, learned], [4, 4], verify, per_request=oh.cost([lookup, learned]))[0][1] == 0
-    assert cost_windows([lookup, learned], [4, 4], verify, per_request=oh.cost([lookup, learned]))[0][0] > 0
+    assert cost_windows([lookup, learned], [4, 4], verify, per_request=dc.cost([lookup, learned]))[0][1] == 0
+    assert cost_windows([lookup, learned], [4, 4], verify, per_request=dc.cost([lookup, learned]))[0][0] > 0
+
+
+def test_cost_curve_learns_the_real_step_times() -> None:
+    """Real steps correct the offline curve where they fall (the points around n, by interpolation share);
+    the greedy's hull follows."""
+    curve = CostModel([(1, 1.0), (2, 1.1), (4, 1.3), (64, 4.0)])
+    hull = curve.hull
+    for _ in range(200):
+        curve.observe(2, 1.6)  # the real step at 2 tokens costs 1.6
+        curve.observe(3, 1.9)  # between 2 and 4: half to each
+    assert curve(2) == pytest.approx(1.6, abs=0.05) and curve(3) == pytest.approx(1.9, abs=0.05)
+    assert curve(1) == 1.0 and curve(64) == 4.0  # untouched
+    curve.observe(3, 1.9)
+    assert "hull" not in curve.__dict__ and curve.hull is not hull  # recomputed at its next use
+    curve.observe(100, 9.0)  # beyond the last point: nothing to learn
+    assert curve(64) == 4.0
 
 
 @pytest.mark.parametrize("algo,rate", [("NGRAM", None), ("SYNTHETIC", 0.9), ("SYNTHETIC", 0.0)])
@@ -138,8 +150,30 @@ def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.Monke
     first = CostModel.cached(runner, "tiny", cache_dir=tmp_path)
     assert len(first.points) >= 2 and all(t > 0 for _, t in first.points)
     assert runner.kv.allocator.num_free == runner.kv.allocator.num_pages  # measuring leaks no pages
-    monkeypatch.setattr(CostModel, "measure", staticmethod(lambda *a, **k: pytest.fail("measured twice")))
+    t1 = first(1)
+
+    def check_only(runner, sizes=None, **k):  # noqa: ANN001, ANN202 - the start-up check times t(1) alone
+        assert sizes == (1,), "measured twice"
+        return CostModel([(1, t1 * 1.2), (2, t1 * 1.3)])  # within STALE of the cached t(1)
+
+    monkeypatch.setattr(CostModel, "measure", staticmethod(check_only))
     assert CostModel.cached(runner, "tiny", cache_dir=tmp_path).points == first.points
+
+
+def test_a_stale_cached_curve_is_measured_again(tmp_path) -> None:  # noqa: ANN001
+    """A cached curve whose t(1) is far from a fresh timing (measured on a loaded machine) is replaced."""
+    import json
+
+    from specserve.cache.kv_pool import KVPool
+    from specserve.engine.runner import ModelRunner
+
+    m = tiny_model("llama")
+    runner = ModelRunner(m, KVPool(m.cfg, 32, 16, m.dtype))
+    first = CostModel.cached(runner, "tiny", cache_dir=tmp_path)
+    (path,) = tmp_path.glob("tiny-*.json")
+    path.write_text(json.dumps([[n, 40 * t] for n, t in first.points]))  # 40x too slow
+    again = CostModel.cached(runner, "tiny", cache_dir=tmp_path)
+    assert again(1) < 10 * first(1) and json.loads(path.read_text()) == [list(p) for p in again.points]
 
 
 def test_cost_curve_ignores_a_stall_and_never_decreases(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,6 +236,25 @@ def test_draft_gate_follows_the_faster_arm_and_keeps_exploring(draft_s: float, p
     assert gate.bucket(3) == gate.bucket(4) == 4 and gate.bucket(1) == 1 and gate.bucket(5) == 8
 
 
+@pytest.mark.parametrize("steps,expect_open", [
+    # 6 ms for 1 token and 7 ms for 3, alternating: 13 ms / 4 tokens = 3.25 ms per token beats plain decoding's
+    # 3.5, although the mean of the per-step ratios (4.17 ms) does not
+    ([(0.006, 1), (0.007, 3)], True),
+    # noisy and clearly slower: 9 ms for 1 token, twice, then 9.5 ms for 2 → 6.9 ms per token against 3.5
+    ([(0.009, 1), (0.009, 1), (0.0095, 2)], False),
+])
+def test_draft_gate_compares_seconds_per_token_of_sums(steps: list, expect_open: bool) -> None:
+    gate = DraftGate(warmup=2, explore=5)
+    drafted = 0
+    for _ in range(80):
+        if gate.allow(1) == "closed":
+            gate.observe(1, None, 0.0035, 1)
+        else:
+            gate.observe(1, "draft", *steps[drafted % len(steps)])
+            drafted += 1
+    assert (drafted > 50) == expect_open, drafted
+
+
 def test_draft_gate_starts_closed_at_larger_batches_for_a_source_that_loses() -> None:
     """A source measured slower than plain at batch 1 is not warmed up with full-window drafts at batch 8:
     it starts closed there and is explored after `explore` steps; a source that paid at batch 1 warms up."""
@@ -248,10 +301,10 @@ def test_cost_policy_drafts_at_least_one_position_of_an_explored_source(monkeypa
     pol = CostPolicy(EngineConfig(speculative_algorithm="NGRAM", speculative_window="cost"))
     pol.cost_model, pol.draft_cost_model, pol.whole = CostModel([(1, 1.0), (64, 1.5)]), None, False
     pol.drafter = type("D", (), {"sources": ("lookup", "learned")})()
-    pol.step_overhead.per_request = {"learned": 100.0, "lookup": 100.0}  # both look far too dear
+    pol.draft_cost.per_request = {"learned": 100.0, "lookup": 100.0}  # both look far too dear
     a, b = _req(6, 10), _req(6, 10)
     a.draft_source, b.draft_source = "lookup", "learned"
     monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": {"lookup": "open"}.get(source, "explore"))
     assert pol.plan([a, b], [4, 4]) == [0, 1] and pol.arm == "learned"
-    pol.step_overhead.per_request = {}  # cheap again: the explored source gets the cost model's window
+    pol.draft_cost.per_request = {}  # cheap again: the explored source gets the cost model's window
     assert pol.plan([a, b], [4, 4])[1] > 1

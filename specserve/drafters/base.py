@@ -17,6 +17,7 @@ Adding a drafter: one module with a factory `(DrafterContext) → Drafter` decor
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -94,12 +95,14 @@ _CAP_FLAGS = {"block": ("speculative_block_size", "speculative_lattice_topk"),
               "draft_model": ("speculative_draft_model_path", "speculative_draft_dtype")}
 #: fields that only some algorithms use (every other speculative_* field applies to all of them)
 ALGORITHM_FLAGS = frozenset({n for names in _CAP_FLAGS.values() for n in names} | {
-    "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_synthetic_accept_rate"})
+    "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_ngram_table",
+    "speculative_synthetic_accept_rate"})
 TREE_STEPS, TREE_NODES = 4, 8  # EAGLE-2 tree defaults: depth, nodes besides the root
-#: what AUTO resolves to when a drafter ships for the target (spec/resolve.py); its flags apply to AUTO:
-#: prompt lookup where the context repeats, the shipped DSpark elsewhere, each gated on its own by `cost`
-AUTO_ALGORITHM = "HYBRID"
-AUTO_ARTIFACT = "dspark"  # the shipped learned drafter AUTO needs
+#: what AUTO resolves to (spec/resolve.py), first choice first: NGRAM over the corpus n-gram table shipped for
+#: the target (prompt lookup, else the table: microseconds per draft), else HYBRID over the shipped DSpark
+#: (prompt lookup, else the learned drafter); each source gated on its own by `cost`. The flags of both apply.
+AUTO_ALGORITHMS = ("NGRAM", "HYBRID")
+AUTO_ARTIFACT = "dspark"  # the shipped learned drafter HYBRID needs
 
 Factory = Callable[["DrafterContext"], Drafter]
 
@@ -144,7 +147,13 @@ def canonical_algorithm(name: str) -> str:
 
 
 def capabilities(algorithm: str) -> Capabilities:
-    return registry()[AUTO_ALGORITHM if algorithm == "AUTO" else algorithm].caps
+    if algorithm != "AUTO":
+        return registry()[algorithm].caps
+    caps = [registry()[a].caps for a in AUTO_ALGORITHMS]  # AUTO: what any of its choices accepts
+    return Capabilities(**{f.name: any(getattr(c, f.name) for c in caps) for f in dataclasses.fields(Capabilities)
+                           if f.type in (bool, "bool")},
+                        default_window="cost",
+                        extra_flags=tuple(dict.fromkeys(x for c in caps for x in c.extra_flags)))
 
 
 def default_window(algorithm: str) -> str:

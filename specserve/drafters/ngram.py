@@ -1,13 +1,20 @@
 """NGRAM (prompt lookup): find the longest suffix of the context (max_match down to min_match
 tokens) that occurred earlier, and propose the tokens that followed its most recent occurrence.
-No model. `ngram_lookup` re-reads the context (the definition); `NgramIndex` answers the same per request
+No model. With a corpus n-gram table (ngram_table.py; one ships for the default target), requests whose
+context has no such match draft from the table instead, with its calibrated per-token confidence, so
+window policies cut those drafts where they stop paying. `ngram_lookup` re-reads the context (the definition); `NgramIndex` answers the same per request
 from an index it extends with the tokens committed since its last call (O(max_match) per step instead of
 a scan of the context: 50 µs per request and step at 300 tokens, a few % of a batch-16 step)."""
 from __future__ import annotations
 
+import torch
+
 from ..core import Proposal, Request
 from .base import Capabilities, Drafter, register_drafter
 from .context import DrafterContext
+from .ngram_table import NgramTable, shipped_table
+
+TABLE_MIN_MATCH = 2  # prompt lookup's shortest match when a table drafts the rest (docs/speculative.md)
 
 
 def ngram_lookup(ids: list[int], min_match: int, max_match: int, k: int) -> list[int]:
@@ -78,18 +85,54 @@ class RequestLookups:
 class NgramDrafter(Drafter):
     label = "NGRAM"
 
-    def __init__(self, min_match: int, max_match: int) -> None:
+    def __init__(self, min_match: int, max_match: int, table: NgramTable | None = None, floor: float = 0.0) -> None:
         self.lookup = RequestLookups(min_match, max_match)
+        self.table, self.floor = table, floor
+        if table is not None:
+            self.label = "NGRAM(table)"
+            self.sources = ("lookup", "table")
+            # NOTE: a table draft costs microseconds: draft the whole window, let the policy cut by confidence
+            self.drafts_whole_window = True
+
+    def draft_source(self, req: Request) -> str:
+        if self.table is None:
+            return self.sources[-1]
+        return "lookup" if self.lookup(req, 1) else "table"
 
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
-        return Proposal(tokens=[self.lookup(r, w) for r, w in zip(reqs, window)])
+        if self.table is None:
+            return Proposal(tokens=[self.lookup(r, w) for r, w in zip(reqs, window)])
+        tokens: list[list[int]] = []
+        conf: list[torch.Tensor | None] = []
+        for r, w in zip(reqs, window):
+            if r.draft_source == "lookup":  # NOTE: set by the engine this step, on the same committed context
+                tokens.append(self.lookup(r, w))
+                conf.append(None)
+            else:
+                t, c = self.table.draft(r.all_ids, w, self.floor)
+                tokens.append(t)
+                conf.append(torch.tensor(c, dtype=torch.float32) if t else None)
+        return Proposal(tokens=tokens, confidence=conf)
 
     def release(self, req: Request) -> None:
         self.lookup.release(req)
 
 
-@register_drafter("NGRAM", Capabilities(extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match")),
+def load_table(ctx: DrafterContext) -> NgramTable | None:
+    """--speculative-ngram-table: a path, `none`, or (unset) the table shipped for the target."""
+    path = ctx.config.speculative_ngram_table
+    if path is not None and path.lower() == "none":
+        return None
+    path = path or shipped_table(ctx.target_cfg)
+    return NgramTable.load(path, ctx.target_cfg) if path else None
+
+
+@register_drafter("NGRAM", Capabilities(extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match",
+                                                     "speculative_ngram_table")),
                   aliases=("PROMPT_LOOKUP",))
 def _make(ctx: DrafterContext) -> Drafter:
     c = ctx.config
-    return NgramDrafter(c.value("speculative_ngram_min_match"), c.value("speculative_ngram_max_match"))
+    table = load_table(ctx)
+    max_match = c.value("speculative_ngram_max_match")
+    min_match = c.speculative_ngram_min_match or (min(TABLE_MIN_MATCH, max_match) if table else 1)
+    return NgramDrafter(min_match, max_match, table, ctx.floor)

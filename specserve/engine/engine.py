@@ -99,12 +99,13 @@ class Engine:
                  Emit(self.emitter, self.stats, self._finish)]
         self.commit_stage = CommitStage(steps + ([DraftState(self.drafter)] if self.drafter else []), self._fail)
         if self.drafter:
-            self.policy.bind(self.runner, self.drafter)
+            self.policy.bind(self.runner, self.drafter, self.stats)
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # failed during the current step
+        self._after_prefill = False  # a prefill ran since the last decode step (StepStats.after_prefill)
 
     def close(self) -> None:
         """Release what outlives the engine object: tensor-parallel worker processes."""
@@ -167,6 +168,7 @@ class Engine:
         touched: list[Request] = []
         if batch.prefills:
             touched += self._prefill(batch.prefills)
+            self._after_prefill = True
         if batch.decodes:
             touched += self._decode([r for r in batch.decodes if not r.finished])
         return touched + [r for r in self._failed if r not in touched]
@@ -202,12 +204,14 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
         t0 = time.perf_counter()
-        reqs, proposal, drafted = self._draft(reqs)              # DRAFT under the window policy
+        reqs, proposal, drafted, t_draft = self._draft(reqs)     # DRAFT under the window policy
         reqs, proposal, logits, extras = self._verify(reqs, proposal)  # VERIFY: one target forward
         accepted = self._accept(reqs, proposal, logits, extras)   # ACCEPT: a lossless rule per request
         committed = self.commit_stage.run(accepted)              # COMMIT: keep, advance, emit, draft state
         emitted = sum(c.emitted for c in committed)
-        self.policy.observe(StepStats(time.perf_counter() - t0, len(reqs), drafted, emitted))
+        self.policy.observe(StepStats(time.perf_counter() - t0, len(reqs), drafted, emitted, self._after_prefill,
+                                      sum(len(t) for t in proposal.tokens), t_draft))
+        self._after_prefill = False
         return reqs
 
     def _lookahead(self, r: Request) -> int:
@@ -221,8 +225,9 @@ class Engine:
         left = min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.seq_len) - 1
         return max(0, min(self.num_draft_tokens if k is None else k, room, left))
 
-    def _draft(self, reqs: list[Request]) -> tuple[list[Request], Proposal, int]:
-        """(requests still running, their proposals cut to the verify windows, requests that drafted)."""
+    def _draft(self, reqs: list[Request]) -> tuple[list[Request], Proposal, int, float]:
+        """(requests still running, their proposals cut to the verify windows, requests that drafted, seconds
+        the drafter's propose took: the cost of drafting, which the `cost` policy learns)."""
         if self.drafter is not None:
             for r in reqs:
                 r.draft_source = self.drafter.draft_source(r)
@@ -230,17 +235,19 @@ class Engine:
         forced = forced_drafts(reqs, windows, lambda r: self._limit(r, self.forced_draft_tokens))
         windows = [0 if r.request_id in forced else w for r, w in zip(reqs, windows)]  # those skip the drafter
         proposal = Proposal.empty(len(reqs))
+        t0 = time.perf_counter()
         if self.drafter is not None and any(windows):
             done = isolate(self._propose, list(zip(reqs, windows)), lambda it, e: self._fail_exc(it[0], "draft", e))
             reqs, windows = [r for (r, _), _ in done], [w for (_, w), _ in done]
             proposal = Proposal.join([p for _, p in done]) if done else Proposal.empty(0)
+        t_draft = time.perf_counter() - t0
         drafted = sum(1 for d in proposal.tokens if d)
         proposal = proposal.truncate(self.policy.cut(reqs, proposal, windows))
         proposal = cut_to_grammar(reqs, with_forced(reqs, proposal, forced))  # after every window cut
         for r, d in zip(reqs, proposal.tokens):
             r.spec_decode_steps += 1
             self.stats.record_window(len(d))
-        return reqs, proposal, drafted
+        return reqs, proposal, drafted, t_draft
 
     def _propose(self, items: list[tuple[Request, int]]) -> list[Proposal]:
         """One propose over `items`, retry-safe: a raising batch leaves every request's generator as it

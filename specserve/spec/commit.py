@@ -113,8 +113,10 @@ class Emit(CommitStep):
                 r.spec_verify_ct += 1
                 r.spec_draft_tokens += c.num_draft
                 r.spec_accepted_tokens += n_acc
-                st = r.source_trials.setdefault(r.draft_source, [0, 0])
-                st[0], st[1] = st[0] + n_acc, st[1] + n_acc + (n_acc < c.num_draft)
+                tested = n_acc + (n_acc < c.num_draft)  # a rejection ends a chain
+                for st in (r.source_trials.setdefault(r.draft_source, [0, 0]),
+                           self.stats.source_trials.setdefault(r.draft_source, [0, 0])):
+                    st[0], st[1] = st[0] + n_acc, st[1] + tested
                 count_per_pos(r.spec_accepted_per_pos, c.num_draft, n_acc)
                 self.stats.record(c.num_draft, n_acc)
             if reason is not None:

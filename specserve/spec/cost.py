@@ -1,7 +1,10 @@
-"""The `cost` window policy's measurements: the verify cost curve, what it misses, and a guard.
+"""The `cost` window policy's measurements: the verify cost curve, the draft cost, and a guard.
 
-CostModel: t(n), seconds of one target forward over n packed tokens, measured densely for
-n = 1..17 (where the windows of small batches fall) and sparser beyond, cached per machine.
+CostModel: t(n), seconds of one decode step that verifies n packed tokens, measured densely for
+n = 1..17 (where the windows of small batches fall) and sparser beyond, cached per machine, then
+corrected online from the real steps (`observe`): a forward at context 128 is not the step the engine
+runs (longer contexts, sampling, commit; measured here ~0.43 ms per extra verify token where the offline
+curve said ~0.3, and 15.8 ms at batch 8 where it said 9.9).
 `cost_windows` chooses per-request windows k_b that maximise expected emitted tokens per second,
 
     maximise  Σ_b E_b(k_b) / t(Σ_b (k_b + 1)),    E_b(k) = (1 − α_b^{k+1}) / (1 − α_b)
@@ -9,11 +12,11 @@ n = 1..17 (where the windows of small batches fall) and sparser beyond, cached p
 where α_b is request b's per-position acceptance so far (Beta(1, 1) prior). Greedy: start every
 window at 0 and keep adding the draft position with the largest marginal gain α_b^{k_b+1} while the
 ratio improves. A window of 0 is plain decoding for that request, so the batch is never planned
-slower than plain decoding. Model drafters (STANDALONE, SYNTHETIC) add their own measured forward
-time per draft position; what the curves miss per drafting request is learned online from measured
-steps (StepOverhead), and a last empirical guard (DraftGate) compares measured seconds per token of
-steps with and without drafting, so a drafter whose gain and cost nearly cancel is switched off
-where it measures slower.
+slower than plain decoding. Drafting costs what DraftCost measured per drafting request of each source
+(the draft stage is timed on its own), plus, for model drafters (STANDALONE, SYNTHETIC), their measured
+forward time per draft position; a last empirical guard (DraftGate) compares measured seconds per token
+of steps with and without drafting, so a drafter whose gain and cost nearly cancel is switched off where
+it measures slower.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from ..core import Request
 
 #: bumped when CostModel.measure changes (3: ascending sizes, medians of 5, non-decreasing)
 CURVE_VERSION = 3
+#: a cached curve whose t(1) differs from a fresh timing by more than this share is measured again
+STALE = 0.3
 #: verify sizes the cost curve is measured at: every n up to 17, then sparser
 COST_SIZES = tuple(range(1, 18)) + (24, 32, 48, 64)
 
@@ -48,6 +53,26 @@ class CostModel:
                 return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
         (n0, t0), (n1, t1) = pts[-2], pts[-1]
         return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
+
+    def observe(self, n: int, seconds: float, rate: float = 0.05) -> None:
+        """Move the curve towards a real step's time at n tokens (the two points around n, by their share of
+        the interpolation); n beyond the last point teaches nothing."""
+        pts = self.points
+        for i, (n1, t1) in enumerate(pts):
+            if n <= n1:
+                if n == n1 or i == 0:
+                    shares = [(i, 1.0)]
+                else:
+                    n0 = pts[i - 1][0]
+                    shares = [(i - 1, (n1 - n) / (n1 - n0)), (i, (n - n0) / (n1 - n0))]
+                # NOTE: a step's time has outliers (a stall, a page fault): each pulls the curve by at most 20%
+                # of its value, so the curve tracks the typical step, not the mean of a heavy tail
+                t = self(n)
+                err = min(max(seconds - t, -0.2 * t), 0.2 * t)
+                for j, w in shares:
+                    pts[j] = (pts[j][0], pts[j][1] + rate * w * err)
+                self.__dict__.pop("hull", None)  # recomputed at its next use
+                return
 
     @cached_property
     def hull(self) -> "CostModel":
@@ -97,29 +122,43 @@ class CostModel:
         # NOTE: the measuring method's version in the name: curves cached by an older method are not reused
         path = cache_dir / f"{key}-t{torch.get_num_threads()}-curve{CURVE_VERSION}.json"
         if path.exists():
-            return cls([tuple(p) for p in json.loads(path.read_text())])
+            cached = cls([tuple(p) for p in json.loads(path.read_text())])
+            # NOTE: a curve measured while something else loaded the machine (or before the VM changed speed)
+            # is wrong for as long as it is cached: one measured at 4x the real step time made `cost` draft
+            # nothing. A decode-size forward is timed at every start (~30 ms); off by > STALE, it is re-measured.
+            now = cls.measure(runner, sizes=(1,)).points[0][1]
+            if abs(now - cached(1)) <= STALE * cached(1):
+                return cached
         model = cls.measure(runner)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(model.points))
         return model
 
 
-def acceptance_estimate(r: Request) -> float:
+#: weight, in tested positions, of the source's acceptance over all requests in a request's own estimate
+POOLED_WEIGHT = 4.0
+
+
+def acceptance_estimate(r: Request, pooled: dict[str, list[int]] | None = None) -> float:
     """Per-position acceptance of the source drafting for r this step: accepted drafts / positions tested
-    (a rejection ends a chain), Beta(1, 1) prior. Per source, so HYBRID's lookups are not judged by its
-    learned drafter's record (or the reverse)."""
+    (a rejection ends a chain), shrunk towards that source's rate over all requests (`pooled`: SpecStats.
+    source_trials; Beta(1, 1) without it). NOTE: a new request is judged by what its source achieved so far,
+    not by a blind 0.5: prompt lookups are accepted ~0.8 of the time here, and a 0.5 prior cut the first
+    windows of every request. Per source, so HYBRID's lookups are not judged by its learned drafter's record."""
     accepted, tested = r.source_trials.get(r.draft_source, (0, 0))
-    return (accepted + 1) / (tested + 2)
+    pa, pt = pooled.get(r.draft_source, (0, 0)) if pooled else (0, 0)
+    prior = (pa + 1) / (pt + 2)
+    return (accepted + POOLED_WEIGHT * prior) / (tested + POOLED_WEIGHT)
 
 
 @dataclass
-class StepOverhead:
-    """What the measured curves miss, learned from real decode steps (EMA): a per-step residual of
-    steps where nobody drafted, and seconds per drafting request (draft lookup or forward, per-request
-    acceptance, ragged attention) from steps where some did — per draft source, since HYBRID's free
-    lookups must not be charged its learned drafter's forward (a step counts for its costliest source)."""
+class DraftCost:
+    """Seconds per drafting request of each draft source, from the draft stage's measured time (EMA): a
+    lookup, a table walk, or a learned drafter's forward and catch-up. Model drafters that draft position by
+    position have their forward curve besides (cost_windows' `draft_step`): what it misses is learned here.
+    Per source, since HYBRID's free lookups must not be charged its learned drafter's forward (a step counts
+    for its costliest source)."""
 
-    base: float = 0.0
     per_request: dict[str, float] = field(default_factory=dict)
     decay: float = 0.9
 
@@ -127,25 +166,66 @@ class StepOverhead:
         """Seconds each request would add by drafting this step (its source's estimate, never below 0)."""
         return [max(0.0, self.per_request.get(r.draft_source, 0.0)) for r in reqs]
 
-    def observe(self, elapsed: float, predicted: float, active: int, source: str | None = None) -> None:
-        residual = elapsed - predicted
+    def observe(self, seconds: float, predicted: float, active: int, source: str | None) -> None:
+        """One draft stage: `seconds` measured, `predicted` by the model drafter's curve (0 for others)."""
         if active == 0 or source is None:
-            self.base = self.decay * self.base + (1 - self.decay) * residual
-        else:
-            # NOTE: samples below zero are kept (only the estimate's use is clamped): clamping each sample
-            # biased the mean upwards (measured: 2.1 ms for NGRAM where steps showed 0.9 ms), which shut off
-            # lookups that paid
-            per = (residual - self.base) / active
-            self.per_request[source] = self.decay * self.per_request.get(source, per) + (1 - self.decay) * per
+            return
+        # NOTE: samples below zero are kept (only the estimate's use is clamped): clamping each sample biased
+        # the mean upwards and shut off drafts that paid
+        x = (seconds - predicted) / active
+        self.per_request[source] = self.decay * self.per_request.get(source, x) + (1 - self.decay) * x
+
+
+@dataclass
+class Arm:
+    """Decode steps of one DraftGate arm: decayed sums of seconds and emitted tokens per step, for seconds
+    per token (their ratio) and its standard error. NOTE: not a mean of per-step ratios: a drafting step
+    emits 1..k+1 tokens, and the mean of seconds/tokens over such steps overstates the cost per token."""
+
+    n: int = 0
+    w: float = 0.0  # Σ weights
+    w2: float = 0.0  # Σ weights²
+    s: float = 0.0  # Σ w·seconds
+    t: float = 0.0  # Σ w·tokens
+    ss: float = 0.0  # Σ w·seconds²
+    st: float = 0.0  # Σ w·seconds·tokens
+    tt: float = 0.0  # Σ w·tokens²
+
+    def add(self, seconds: float, tokens: int, decay: float) -> None:
+        d = decay if self.n else 0.0
+        self.w, self.w2 = d * self.w + 1, d * d * self.w2 + 1
+        self.s, self.t = d * self.s + seconds, d * self.t + tokens
+        self.ss, self.st, self.tt = d * self.ss + seconds**2, d * self.st + seconds * tokens, d * self.tt + tokens**2
+        self.n += 1
+
+    @property
+    def per_token(self) -> float:
+        return self.s / max(self.t, 1e-12)
+
+    @property
+    def stderr(self) -> float:
+        """Of per_token (the ratio estimator, linearised), over the effective number of steps w²/w2."""
+        if self.n < 2:
+            return float("inf")
+        r = self.per_token
+        resid = max(0.0, self.ss - 2 * r * self.st + r * r * self.tt) / self.w  # mean (s − r·t)²
+        mean_t = self.t / self.w
+        return (resid / (self.w * self.w / self.w2)) ** 0.5 / mean_t
+
+    def loses_to(self, plain: "Arm", z: float) -> bool:
+        """Slower per token than `plain` by more than z standard errors of the difference."""
+        return self.per_token - plain.per_token > z * (self.stderr**2 + plain.stderr**2) ** 0.5
 
 
 @dataclass
 class DraftGate:
     """Empirical guard of the `cost` policy: per batch-size bucket (powers of two) and per draft source
     (a drafter's `sources`: HYBRID has a free prompt lookup and a learned drafter that costs a forward),
-    an EMA of seconds per emitted token over decode steps whose costliest drafting source was that one,
-    and over steps that did not draft. Once both are measured, a source may draft only while it measures
-    faster than plain decoding; its closed arm is re-tried after `explore` steps of that bucket, then at
+    seconds per emitted token (Arm) over decode steps whose costliest drafting source was that one, and over
+    steps that did not draft. Once both are measured, a source may draft unless it measures slower than plain
+    decoding by more than `z` standard errors (NOTE: steps are noisy, a drafting step emits 1..k+1 tokens; a
+    gate that closed on the bare comparison shut NGRAM's table drafts at batch 1 where they paid: 1.17x plain
+    instead of 1.24x); its closed arm is re-tried after `explore` steps of that bucket, then at
     doubling intervals while it keeps losing (up to `max_explore`), so a change of workload or context
     length is noticed at a bounded cost. The cost model still chooses the windows whenever
     drafting is allowed; the gate only catches what the model misestimates (a drafter whose gain and cost
@@ -155,15 +235,16 @@ class DraftGate:
     warmup: int = 3
     explore: int = 20
     max_explore: int = 320
-    decay: float = 0.8
-    stats: dict = field(default_factory=dict)  # bucket → {"plain": [n, ema], source: [n, ema], "steps", "wait"}
+    decay: float = 0.9
+    z: float = 1.0
+    stats: dict = field(default_factory=dict)  # bucket → {"plain": Arm, source: Arm, "steps", "wait"}
 
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(0, batch - 1).bit_length()
 
     def _bucket(self, batch: int) -> dict:
-        return self.stats.setdefault(self.bucket(batch), {"plain": [0, 0.0], "steps": {}, "wait": {}})
+        return self.stats.setdefault(self.bucket(batch), {"plain": Arm(), "steps": {}, "wait": {}})
 
     def allow(self, batch: int, source: str = "draft") -> str:
         """"open" (the cost model plans the windows), "closed" (no drafts from this source), or "explore"
@@ -172,18 +253,18 @@ class DraftGate:
         too dear). NOTE: not the full window: a batch-16 warm-up of HYBRID's 7-token lookups verified ~128
         tokens a step, each such step costing ~4 plain ones."""
         st = self._bucket(batch)
-        arm = st.setdefault(source, [0, 0.0])
+        arm = st.setdefault(source, Arm())
         step = st["steps"][source] = st["steps"].get(source, 0) + 1
-        measured = arm[0] >= self.warmup
+        measured = arm.n >= self.warmup
         wait = st["wait"]  # source → [steps since its last exploration, the current interval]
         if not measured:
             below = self._loses_below(batch, source)
             if below is None:  # measure each arm first
                 return "explore"
             wait.setdefault(source, [0, below])
-        if st["plain"][0] < self.warmup:
+        if st["plain"].n < self.warmup:
             return "closed"
-        if measured and arm[1] <= st["plain"][1]:
+        if measured and not arm.loses_to(st["plain"], self.z):
             wait[source] = [0, self.explore]
             return "closed" if step % self.explore == 0 else "open"
         # NOTE: a closed source is explored after `explore` steps, then twice as long each time it still loses
@@ -205,17 +286,15 @@ class DraftGate:
         b = self.bucket(batch) // 2
         while b >= 1:
             st = self.stats.get(b)
-            if st and st["plain"][0] >= self.warmup and st.get(source, [0])[0] >= self.warmup:
-                return st["wait"].get(source, [0, self.explore])[1] if st[source][1] > st["plain"][1] else None
+            if st and st["plain"].n >= self.warmup and source in st and st[source].n >= self.warmup:
+                loses = st[source].loses_to(st["plain"], self.z)
+                return st["wait"].get(source, [0, self.explore])[1] if loses else None
             b //= 2
         return None
 
     def observe(self, batch: int, source: str | None, seconds: float, tokens: int) -> None:
         """One decode step: `source` = the costliest source that drafted, None = nobody drafted."""
-        arm = self._bucket(batch).setdefault(source or "plain", [0, 0.0])
-        x = seconds / max(tokens, 1)
-        arm[1] = x if arm[0] == 0 else self.decay * arm[1] + (1 - self.decay) * x
-        arm[0] += 1
+        self._bucket(batch).setdefault(source or "plain", Arm()).add(seconds, max(tokens, 1), self.decay)
 
 
 def step_time(cost: CostModel, draft_step: CostModel | None, n_tokens: int, active: int, longest: int) -> float:
@@ -224,26 +303,18 @@ def step_time(cost: CostModel, draft_step: CostModel | None, n_tokens: int, acti
     return cost(n_tokens) + (draft_step(active) * longest if draft_step is not None and longest else 0.0)
 
 
-def windows_time(cost: CostModel, draft_step: CostModel | None, windows: list[int]) -> float:
-    """step_time of a step verifying these windows (each request also verifies its bonus token)."""
-    return step_time(cost, draft_step, sum(windows) + len(windows), sum(1 for w in windows if w), max(windows, default=0))
-
-
 def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_step: CostModel | None = None,
-                 per_request: float | list[float] = 0.0, gains: list[list[float]] | None = None, base: float = 0.0
-                 ) -> tuple[list[int], float]:
+                 per_request: float | list[float] = 0.0, gains: list[list[float]] | None = None,
+                 pooled: dict[str, list[int]] | None = None) -> tuple[list[int], float]:
     """Greedy maximisation of expected tokens per second (module docstring). With `draft_step`
     (a model drafter's forward time over m tokens), a step also pays draft_step(#drafting) for each
     draft position up to the longest window, since model drafters draft position by position;
-    `per_request` (StepOverhead: one value, or one per request) is charged for every drafting request.
-    `gains[b][j]`: P(positions 1..j+1 accepted) (from `accept_curves`); default α_b^{j+1}.
-    `base` (StepOverhead.base): what every step costs beyond the curves, drafting or not. NOTE: it belongs in
-    every ratio: without it, at batch 8 (curve 9.9 ms, real step 15.8: the curve is one request at context
-    128) extra verify tokens looked 1.6x dearer than they are and lookups that paid were never planned.
-    Returns the windows and the curves' predicted step time for them (without `per_request` and `base`)."""
-    alphas = [min(acceptance_estimate(r), 0.999) for r in reqs]
+    `per_request` (DraftCost: one value, or one per request) is charged for every drafting request.
+    `gains[b][j]`: P(positions 1..j+1 accepted) (from `accept_curves`); default α_b^{j+1}, α_b from
+    acceptance_estimate with the engine-wide `pooled` counts.
+    Returns the windows and the curves' predicted step time for them (without `per_request`)."""
+    alphas = [min(acceptance_estimate(r, pooled), 0.999) for r in reqs]
     over = per_request if isinstance(per_request, list) else [per_request] * len(reqs)
-    base = max(0.0, base)
     guide = cost.hull
 
     def gain(b: int, j: int) -> float:
@@ -255,7 +326,7 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
         k = [0] * len(reqs)
         tokens, n, active, longest, charged = float(len(reqs)), len(reqs), 0, 0, 0.0  # every request emits 1
         best_t = step_time(curve, draft_step, n, 0, 0)
-        best, best_k = tokens / (best_t + base), list(k)
+        best, best_k = tokens / best_t, list(k)
         added: list[int] = []
         done: set[int] = set()  # requests whose next position did not pay (their later ones gain less)
         todo = iter(order) if order is not None else None
@@ -271,9 +342,10 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
                     break
                 b = max(cands)[2]
             g = gain(b, k[b])
-            a2, l2, c2 = active + (k[b] == 0), max(longest, k[b] + 1), charged + (over[b] if k[b] == 0 else 0.0)
+            a2, l2 = active + (k[b] == 0), max(longest, k[b] + 1)
+            c2 = charged + (over[b] if k[b] == 0 else 0.0)
             t = step_time(curve, draft_step, n + 1, a2, l2)
-            ratio = (tokens + g) / (t + base + c2)
+            ratio = (tokens + g) / (t + c2)
             if todo is None and ratio <= best:  # NOTE: not a stop: another request may be cheaper to open
                 done.add(b)
                 continue

@@ -26,9 +26,9 @@ import torch
 
 from .. import kernels
 from ..config import EngineConfig
-from ..core import Proposal, Request
+from ..core import Proposal, Request, SpecStats
 from ..models import fused
-from .cost import CostModel, DraftGate, StepOverhead, acceptance_estimate, cost_windows, windows_time
+from .cost import CostModel, DraftCost, DraftGate, acceptance_estimate, cost_windows
 
 if TYPE_CHECKING:
     from ..drafters.base import Drafter
@@ -43,6 +43,11 @@ class StepStats:
     batch: int  # decoding requests
     drafted: int  # requests that drafted
     emitted: int  # tokens emitted (accepted drafts + one each)
+    #: a prefill forward ran since the last decode step. NOTE: the first small forward after a large one runs
+    #: ~1.5 ms slow here (AMX/cache after-effects), so such steps are outliers the cost policy does not learn from
+    after_prefill: bool = False
+    draft_tokens: int = 0  # draft tokens verified (after the window cut)
+    draft_seconds: float = 0.0  # of `seconds`, the drafter's propose
 
 
 class WindowPolicy(ABC):
@@ -51,9 +56,11 @@ class WindowPolicy(ABC):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.pooled: dict[str, list[int]] = {}
 
-    def bind(self, runner: "ModelRunner", drafter: "Drafter") -> None:
+    def bind(self, runner: "ModelRunner", drafter: "Drafter", stats: SpecStats) -> None:
         """Called once the target runner and the drafter exist (measure what the policy needs)."""
+        self.pooled = stats.source_trials  # every request's acceptance per source: the prior of each estimate
 
     def plan(self, reqs: list[Request], limits: list[int]) -> list[int]:
         return list(limits)
@@ -91,13 +98,13 @@ class ConfidencePolicy(WindowPolicy):
         self.threshold = self.floor = config.value("speculative_confidence_threshold")
 
     def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
-        return confidence_windows(accept_curves(reqs, proposal, windows), self.threshold)
+        return confidence_windows(accept_curves(reqs, proposal, windows, self.pooled), self.threshold)
 
 
 @register_policy
 class CostPolicy(WindowPolicy):
-    """Owns the measured curves (target verify; a model drafter's per-position forward), the learned
-    per-request overhead and the empirical DraftGate."""
+    """Owns the measured curves (the target's step, corrected online; a model drafter's per-position forward),
+    the measured per-request draft cost and the empirical DraftGate."""
 
     name = "cost"
     floor = 0.02  # never verify a position that is < 2% likely to be accepted
@@ -106,13 +113,13 @@ class CostPolicy(WindowPolicy):
         super().__init__(config)
         self.cost_model: CostModel | None = None
         self.draft_cost_model: CostModel | None = None
-        self.step_overhead = StepOverhead()
+        self.draft_cost = DraftCost()
         self.draft_gate = DraftGate()
         self.whole = False  # the drafter pays for its whole window: plan who drafts, cut after drafting
         self.drafter: "Drafter | None" = None
         self.arm: str | None = None  # the costliest draft source planned this step (the gate's arm)
         self.forced: list[bool] = []  # requests whose source the gate explores this step
-        self.predicted = 0.0  # the curves' time for the windows chosen this step
+        self.draft_predicted = 0.0  # the model drafter's curve time for the windows planned this step
 
     def _key(self, runner: "ModelRunner") -> str:
         m = runner.model
@@ -121,7 +128,8 @@ class CostPolicy(WindowPolicy):
         kern = f"-k{kernels.source_digest()[:8]}" if fused.enabled() else ""
         return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}{tp}{kern}")
 
-    def bind(self, runner: "ModelRunner", drafter: "Drafter") -> None:
+    def bind(self, runner: "ModelRunner", drafter: "Drafter", stats: SpecStats) -> None:
+        super().bind(runner, drafter, stats)
         self.cost_model = CostModel.cached(runner, self._key(runner))
         draft_runner = getattr(drafter, "runner", None)  # model drafters draft position by position
         if draft_runner is not None:
@@ -134,13 +142,13 @@ class CostPolicy(WindowPolicy):
         gate = {s: self.draft_gate.allow(len(reqs), s) for s in dict.fromkeys(sources)}
         self.forced = [gate[s] == "explore" for s in sources]  # at least one draft: measure this source
         open_limits = [w if gate[s] != "closed" else 0 for w, s in zip(limits, sources)]
-        plan, self.predicted = cost_windows(reqs, open_limits, self.cost_model, self.draft_cost_model,
-                                            self.step_overhead.cost(reqs), base=self.step_overhead.base)
+        plan, _ = cost_windows(reqs, open_limits, self.cost_model, self.draft_cost_model, self.draft_cost.cost(reqs),
+                               pooled=self.pooled)
         plan = [max(k, min(w, 1)) if f else k for w, k, f in zip(limits, plan, self.forced)]
         if self.whole:  # the cost model picks who drafts; the window is cut after drafting
             plan = [w if k else 0 for w, k in zip(limits, plan)]
-        if any(self.forced):
-            self.predicted = self._predict(plan)
+        active = sum(1 for k in plan if k)
+        self.draft_predicted = self.draft_cost_model(active) * max(plan) if self.draft_cost_model and active else 0.0
         drafting = [s for s, k in zip(sources, plan) if k]
         self.arm = max(drafting, key=self.drafter.sources.index) if drafting else None  # the costliest one
         return plan
@@ -148,24 +156,23 @@ class CostPolicy(WindowPolicy):
     def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
         if not self.whole:
             return windows
-        curves = accept_curves(reqs, proposal, windows)
-        out, self.predicted = cost_windows(reqs, [len(c) for c in curves], self.cost_model, None,
-                                           self.step_overhead.cost(reqs), curves, self.step_overhead.base)
-        out = [max(k, min(len(c), 1)) if f else k for c, k, f in zip(curves, out, self.forced)]
-        if any(self.forced):
-            self.predicted = self._predict(out)
-        return out
-
-    def _predict(self, windows: list[int]) -> float:
-        """The curves' time of a step verifying these windows (what StepOverhead compares with)."""
-        return windows_time(self.cost_model, self.draft_cost_model, windows)
+        curves = accept_curves(reqs, proposal, windows, self.pooled)
+        # NOTE: the drafts exist: drafting is paid for, only verifying them costs from here. An explored source
+        # is not forced to verify a draft either: it drafted (plan forced that), and which drafts to verify is
+        # the cost model's choice, as when it is open. Forcing the first one verified its least likely drafts
+        # too, and the gate measured the source slower than it runs open.
+        return cost_windows(reqs, [len(c) for c in curves], self.cost_model, None, 0.0, curves)[0]
 
     def observe(self, stats: StepStats) -> None:
-        self.step_overhead.observe(stats.seconds, self.predicted, stats.drafted, self.arm)
+        if stats.after_prefill:
+            return
+        self.cost_model.observe(stats.batch + stats.draft_tokens, stats.seconds - stats.draft_seconds)
+        self.draft_cost.observe(stats.draft_seconds, self.draft_predicted, stats.drafted, self.arm)
         self.draft_gate.observe(stats.batch, self.arm if stats.drafted else None, stats.seconds, stats.emitted)
 
 
-def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[list[float]]:
+def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int],
+                  pooled: dict[str, list[int]] | None = None) -> list[list[float]]:
     """Per request, P(draft positions 1..i all accepted) for i = 1..min(drafted, window): the
     cumulative product of the drafter's per-token confidence, or α^i from the request's acceptance
     so far. For a tree entry i is P(node i accepted) = the product over its path, which is
@@ -183,7 +190,7 @@ def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int]) -
         elif c is not None and len(c) >= n:
             out.append(torch.cumprod(c[:n].double().clamp(0.0, 1.0), 0).tolist())
         else:
-            a = min(acceptance_estimate(r), 0.999)
+            a = min(acceptance_estimate(r, pooled), 0.999)
             out.append([a ** (i + 1) for i in range(n)])
     return out
 

@@ -6,8 +6,26 @@ import dataclasses
 
 from ..config import EngineConfig
 from ..drafters.artifact import shipped_drafter
-from ..drafters.base import AUTO_ALGORITHM, AUTO_ARTIFACT, default_window
+from ..drafters.base import AUTO_ARTIFACT, capabilities, default_window
+from ..drafters.ngram_table import shipped_table
 from ..models.config import ModelConfig
+
+
+def auto_algorithm(config: EngineConfig, target: ModelConfig) -> str | None:
+    """NGRAM over the table shipped for the target, else HYBRID over its shipped DSpark, else None (plain).
+    A flag only one of them takes picks that one; flags of both are refused by name."""
+    def given(algo: str, other: str) -> list[str]:
+        own = capabilities(algo).flags() - capabilities(other).flags()
+        return sorted(f for f in own if getattr(config, f) is not None)
+
+    ngram, hybrid = given("NGRAM", "HYBRID"), given("HYBRID", "NGRAM")
+    if ngram and hybrid:
+        raise ValueError(f"--speculative-algorithm AUTO: --{ngram[0].replace('_', '-')} (NGRAM) and "
+                         f"--{hybrid[0].replace('_', '-')} (HYBRID) choose different drafters; name one")
+    table = config.speculative_ngram_table not in (None, "none") or shipped_table(target) is not None
+    if ngram or (table and not hybrid):
+        return "NGRAM"
+    return "HYBRID" if hybrid or shipped_drafter(target, AUTO_ARTIFACT) is not None else None
 
 
 def resolve_config(config: EngineConfig, target: ModelConfig) -> EngineConfig:
@@ -16,7 +34,7 @@ def resolve_config(config: EngineConfig, target: ModelConfig) -> EngineConfig:
         return config
     window = config.speculative_window or default_window(algo)
     if algo == "AUTO":
-        algo = AUTO_ALGORITHM if shipped_drafter(target, AUTO_ARTIFACT) is not None else None
+        algo = auto_algorithm(config, target)
         if algo is None:  # nothing ships for this target: plain decoding
             return dataclasses.replace(config, speculative_algorithm=None)
     return dataclasses.replace(config, speculative_algorithm=algo, speculative_window=window)

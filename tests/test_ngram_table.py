@@ -1,0 +1,170 @@
+"""The corpus n-gram table and NGRAM drafting from it: the table equals counting by hand, survives a save and
+load, refuses a table of another vocabulary by flag name; NGRAM + table equals plain greedy decoding
+(fixed, confidence and cost windows, a batch joining mid-run), and replay_tau (the builder's held-out τ)
+equals the engine's acceptance exactly. Sampling with table drafts: tests/test_accept_engine.py."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from specserve.core import SamplingParams
+from specserve.drafters.ngram_table import BINS, NgramTable, _keys_np, context_keys
+from specserve.train.ngram_build import calibration, replay_tau, table_draft
+from tests.spec_helpers import assert_no_leak, drive, make_llm
+from tests.tiny import reference_greedy, tiny_model
+
+V = 97
+
+
+def reference(streams: list[tuple[list[int], list[bool]]], max_n: int, min_count: int) -> dict[tuple, tuple[int, float]]:
+    """context tuple → (most frequent next token, smallest id on ties; its share), by counting."""
+    counts: dict[tuple, Counter] = {}
+    for ids, use in streams:
+        for p in range(len(ids) - 1):
+            if use[p + 1]:
+                for n in range(1, min(max_n, p + 1) + 1):
+                    counts.setdefault(tuple(ids[p - n + 1 : p + 1]), Counter())[ids[p + 1]] += 1
+    out = {}
+    for ctx, c in counts.items():
+        total = sum(c.values())
+        if total >= min_count:
+            best = min(c, key=lambda t: (-c[t], t))
+            out[ctx] = (best, c[best] / total)
+    return out
+
+
+def random_streams(seed: int, vocab: int = 7, n: int = 12) -> list[tuple[list[int], list[bool]]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(vocab) for _ in range(5)]
+        ids = [rng.randrange(vocab) if rng.random() < 0.3 else motif[i % 5] for i in range(rng.randrange(20, 60))]
+        out.append((ids, [rng.random() < 0.8 for _ in ids]))
+    return out
+
+
+def test_keys_match_vectorised() -> None:
+    ids = np.array([5, 1, 9, 9, 3, 0, 7], np.int64)
+    for n in range(1, 5):
+        k = _keys_np(ids, n)
+        for p in range(n - 1, len(ids)):
+            assert int(k[p]) == context_keys(list(ids[: p + 1]), n)[n - 1]
+
+
+@pytest.mark.parametrize("min_count", [1, 2])
+def test_table_equals_counting(min_count: int) -> None:
+    streams = random_streams(0)
+    table, (n_of) = NgramTable.build([(np.array(i), np.array(u)) for i, u in streams], vocab_size=7, max_n=3,
+                                     min_count=min_count)
+    ref = reference(streams, 3, min_count)
+    assert len(table.keys) == len(ref) == len(n_of[0])
+    rng = random.Random(1)
+    contexts = [list(c) for c in ref] + [[rng.randrange(7) for _ in range(rng.randrange(1, 6))] for _ in range(200)]
+    for ctx in contexts:
+        want = next(((ref[tuple(ctx[-n:])], n) for n in range(min(3, len(ctx)), 0, -1) if tuple(ctx[-n:]) in ref), None)
+        got = table.lookup(ctx)
+        if want is None:
+            assert got is None, ctx
+        else:
+            (tok, share), n = want
+            assert got is not None and got[0] == tok and got[2] == n and abs(got[1] - round(share * 255) / 255) < 1e-6
+
+
+def test_draft_chains_and_stops() -> None:
+    streams = [([1, 2, 3, 4, 5, 6] * 4, [True] * 24)]
+    table, _ = NgramTable.build([(np.array(i), np.array(u)) for i, u in streams], vocab_size=8, max_n=2, min_count=2)
+    toks, conf = table.draft([9, 1, 2], 6)
+    assert toks == [3, 4, 5, 6, 1, 2] and all(c == 1.0 for c in conf)
+    assert table.draft([9, 1, 2], 2)[0] == [3, 4]
+    assert table.draft([7], 3) == ([], [])  # no entry for the context
+
+
+def test_save_load_and_errors(tmp_path) -> None:  # noqa: ANN001
+    streams = random_streams(2)
+    table, (n_of,) = NgramTable.build([(np.array(i), np.array(u)) for i, u in streams], vocab_size=7, max_n=3,
+                                      min_count=2, target="tiny-llama")
+    table.calibrate(n_of, [[(b + 0.5) / BINS for b in range(BINS)] for _ in range(3)])
+    table.save(tmp_path / "t")
+    back = NgramTable.load(tmp_path / "t")
+    assert back.meta == table.meta
+    for a, b in ((back.keys, table.keys), (back.tokens, table.tokens), (back.conf, table.conf)):
+        assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="--speculative-ngram-table: .* not an n-gram table"):
+        NgramTable.load(tmp_path)
+    cfg = tiny_model(vocab=V).cfg
+    with pytest.raises(ValueError, match="--speculative-ngram-table: .*vocabulary of 7 tokens, the target has 97"):
+        NgramTable.load(tmp_path / "t", cfg)
+
+
+def test_calibration_is_monotone_probability() -> None:
+    streams = random_streams(3)
+    table, _ = NgramTable.build([(np.array(i), np.array(u)) for i, u in streams], vocab_size=7, max_n=3, min_count=2)
+    held = [(s[0][:5], s[0][5:40]) for s in random_streams(4)]
+    cal = calibration(table, held)
+    assert len(cal) == 3 and all(len(r) == BINS for r in cal)
+    for row in cal:
+        assert all(0.0 <= x <= 1.0 for x in row) and row == sorted(row)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(vocab=V, seed=3)
+
+
+@pytest.fixture(scope="module")
+def greedy_table(model, tmp_path_factory):  # noqa: ANN001
+    """A table of the tiny model's own greedy continuations, so its drafts are often (not always) right."""
+    rng = random.Random(5)
+    streams = []
+    for _ in range(12):
+        prompt = [rng.randrange(V) for _ in range(6)]
+        g = reference_greedy(model, prompt, 40)
+        streams.append((np.array(prompt + g), np.array([False] * len(prompt) + [True] * len(g))))
+    table, (n_of,) = NgramTable.build(streams, vocab_size=V, max_n=3, min_count=1, target=model.cfg.name)
+    table.calibrate(n_of, [[0.3 + 0.07 * b for b in range(BINS)]] * 3)
+    path = tmp_path_factory.mktemp("table") / "tiny-ngram"
+    table.save(path)
+    return path
+
+
+@pytest.mark.parametrize("window", ["fixed", "confidence", "cost"])
+def test_ngram_table_greedy_equals_plain(model, greedy_table, window: str) -> None:  # noqa: ANN001
+    rng = random.Random(7)
+    plan = [(rng.randrange(6), [rng.randrange(V) for _ in range(rng.randrange(3, 9))],
+             SamplingParams(temperature=0.0, max_tokens=rng.randrange(10, 40))) for _ in range(6)]
+    llm = make_llm(model, "NGRAM", K=5, speculative_ngram_table=str(greedy_table), speculative_window=window,
+                   speculative_ngram_min_match=3)
+    assert llm.engine.drafter.table is not None and llm.engine.drafter.sources == ("lookup", "table")
+    reqs = drive(llm, plan)
+    for r, (_, prompt, sp) in zip(reqs, plan):
+        assert r.output_ids == reference_greedy(model, prompt, sp.max_tokens)
+    assert llm.engine.stats.num_accepted_tokens > 0 and llm.engine.stats.num_drafts > 0
+    assert_no_leak(llm.engine)
+
+
+def test_replay_tau_equals_engine(model, greedy_table) -> None:  # noqa: ANN001
+    """The builder's held-out τ (replay on the greedy output) is the engine's acceptance, exactly."""
+    table = NgramTable.load(greedy_table)
+    llm = make_llm(model, "NGRAM", K=4, speculative_ngram_table=str(greedy_table), speculative_ngram_min_match=2)
+    rng = random.Random(11)
+    for _ in range(4):
+        prompt = [rng.randrange(V) for _ in range(7)]
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30))[0].outputs[0]
+        first, g = out.token_ids[0], out.token_ids[1:]  # the first token comes from prefill
+        n, rounds, drafted = replay_tau(prompt + [first], g, table_draft(table, 2), 4)
+        m = out.meta_info
+        assert (n - rounds, drafted) == (m["spec_accepted_tokens"], m["spec_draft_tokens"]), (n, rounds, drafted, m)
+        assert drafted > 0
+
+
+def test_flag_none_and_other_algorithms(model, greedy_table) -> None:  # noqa: ANN001
+    from specserve.config import EngineConfig
+
+    assert make_llm(model, "NGRAM", speculative_ngram_table="none").engine.drafter.table is None
+    with pytest.raises(ValueError, match="--speculative-ngram-table does not apply to --speculative-algorithm SYNTHETIC"):
+        EngineConfig(speculative_algorithm="SYNTHETIC", speculative_ngram_table=str(greedy_table))
+    with pytest.raises(ValueError, match="--speculative-ngram-table: .* not an n-gram table"):
+        make_llm(model, "NGRAM", speculative_ngram_table=str(greedy_table.parent))

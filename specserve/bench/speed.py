@@ -57,8 +57,13 @@ def _engines(a: argparse.Namespace) -> dict[str, Any]:
             setattr(a2, key, parse_field(value, fields[key], source=f"--algos {spec}"))
         llm = LLM.from_config(config_from_args(a2, a.model))
         label = algo if algo == "plain" else llm.engine.drafter.label.split(" ")[0]
-        out[f"specserve {label}" + (f"+{window}" if window else "") + "".join(
-            ":" + o.lstrip("-").removeprefix("speculative-").removeprefix("speculative_") for o in overrides)] = llm
+        if algo.upper() == "AUTO":  # what AUTO resolved to, with its window policy
+            label, window = f"AUTO={label}", llm.config.speculative_window
+        name = f"specserve {label}" + (f"+{window}" if window else "") + "".join(
+            ":" + o.lstrip("-").removeprefix("speculative-").removeprefix("speculative_") for o in overrides)
+        if name in out:
+            raise ValueError(f"--algos: {spec!r} names the same configuration as an earlier entry ({name})")
+        out[name] = llm
     return out
 
 

@@ -2,9 +2,10 @@
 tokens) that occurred earlier, and propose the tokens that followed its most recent occurrence.
 No model. With a corpus n-gram table (ngram_table.py; one ships for the default target), requests whose
 context has no such match draft from the table instead, with its calibrated per-token confidence, so
-window policies cut those drafts where they stop paying. `ngram_lookup` re-reads the context (the definition); `NgramIndex` answers the same per request
-from an index it extends with the tokens committed since its last call (O(max_match) per step instead of
-a scan of the context: 50 µs per request and step at 300 tokens, a few % of a batch-16 step)."""
+window policies cut those drafts where they stop paying. `ngram_lookup` re-reads the context (the
+definition); `NgramIndex` answers the same per request from an index it extends with the tokens committed
+since its last call (O(max_match) per step instead of a scan of the context: 50 µs per request and step at
+300 tokens, a few % of a batch-16 step)."""
 from __future__ import annotations
 
 import torch

@@ -22,7 +22,8 @@ from specserve.drafters.artifact import load_drafter
 from specserve.engine.llm import LLM
 from specserve.models.llama import LlamaModel
 from specserve.train.data import FeatureCapture
-from specserve.spec.cost import CostModel, DraftGate
+from specserve.spec.cost import CostModel
+from specserve.spec.gate import DraftGate
 from tests.dist import engine_vs_exact_joint, tv_threshold
 from tests.spec_helpers import drive
 from tests.tiny import reference_greedy, tiny_config, tiny_state_dict

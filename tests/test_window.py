@@ -7,7 +7,8 @@ from specserve.config import EngineConfig
 
 from specserve import LLM, SamplingParams
 from specserve.core import Request
-from specserve.spec.cost import CostModel, DraftCost, DraftGate, cost_windows
+from specserve.spec.cost import CostModel, DraftCost, cost_windows
+from specserve.spec.gate import DraftGate
 
 from .tiny import reference_greedy, tiny_model
 

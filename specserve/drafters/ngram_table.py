@@ -95,8 +95,9 @@ class NgramTable:
         best = o2[np.r_[True, kid[o2][1:] != kid[o2][:-1]]]  # the most frequent next token per context
         keep = tot >= min_count
         raw = cnt[best][keep] / tot[keep]
+        tokens = pt[best][keep].astype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
         table = cls(TableMeta(vocab_size, max_n, min_count, tokens=total, **meta),  # type: ignore[arg-type]
-                    pk[best][keep], pt[best][keep].astype(np.uint16 if vocab_size <= 1 << 16 else np.uint32), np.round(raw * 255).astype(np.uint8))
+                    pk[best][keep], tokens, np.round(raw * 255).astype(np.uint8))
         return table, [pn[best][keep]]
 
     def calibrate(self, n_of_entry: np.ndarray, calibration: list[list[float]]) -> None:

@@ -28,7 +28,8 @@ from .. import kernels
 from ..config import EngineConfig
 from ..core import Proposal, Request, SpecStats
 from ..models import fused
-from .cost import CostModel, DraftCost, DraftGate, acceptance_estimate, cost_windows
+from .cost import CostModel, DraftCost, acceptance_estimate, cost_windows
+from .gate import DraftGate
 
 if TYPE_CHECKING:
     from ..drafters.base import Drafter

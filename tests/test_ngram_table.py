@@ -94,6 +94,11 @@ def test_save_load_and_errors(tmp_path) -> None:  # noqa: ANN001
         assert np.array_equal(a, b)
     with pytest.raises(ValueError, match="--speculative-ngram-table: .* not an n-gram table"):
         NgramTable.load(tmp_path)
+    meta = (tmp_path / "t" / "table.json").read_text()
+    (tmp_path / "t" / "table.json").write_text(meta.replace('"vocab_size": 7', '"vocab_size": 3'))
+    with pytest.raises(ValueError, match="inconsistent with its table.json .* vocabulary of 3"):
+        NgramTable.load(tmp_path / "t")  # token ids up to 6 in a 3-token vocabulary: refused, not a crash later
+    (tmp_path / "t" / "table.json").write_text(meta)
     cfg = tiny_model(vocab=V).cfg
     with pytest.raises(ValueError, match="--speculative-ngram-table: .*vocabulary of 7 tokens, the target has 97"):
         NgramTable.load(tmp_path / "t", cfg)

@@ -157,7 +157,11 @@ class NgramTable:
             raise ValueError(f"--speculative-ngram-table: {p} was built for a vocabulary of {meta.vocab_size} tokens, "
                              f"the target has {target.vocab_size}")
         z = np.load(p / "table.npz")
-        return cls(meta, z["keys"], z["tokens"], z["conf"])
+        keys, tokens, conf = z["keys"], z["tokens"], z["conf"]
+        if not len(keys) == len(tokens) == len(conf) or (len(tokens) and int(tokens.max()) >= meta.vocab_size):
+            raise ValueError(f"--speculative-ngram-table: {p}/table.npz is inconsistent with its table.json "
+                             f"(array lengths, or a token id outside the vocabulary of {meta.vocab_size})")
+        return cls(meta, keys, tokens, conf)
 
 
 def shipped_table(target: ModelConfig) -> Path | None:

@@ -34,6 +34,8 @@ from ..core import Request
 CURVE_VERSION = 3
 #: a cached curve whose t(1) differs from a fresh timing by more than this share is measured again
 STALE = 0.3
+#: the hull (cost_windows' guide) is rebuilt after this many online corrections of the curve, not after each
+HULL_EVERY = 32
 #: verify sizes the cost curve is measured at: every n up to 17, then sparser
 COST_SIZES = tuple(range(1, 18)) + (24, 32, 48, 64)
 
@@ -43,6 +45,7 @@ class CostModel:
     """t(n): seconds of one target forward over n packed tokens, piecewise linear between points."""
 
     points: list[tuple[int, float]]
+    _observed: int = field(default=0, repr=False, compare=False)  # online corrections since the hull was built
 
     def __call__(self, n: int) -> float:
         pts = self.points
@@ -71,7 +74,10 @@ class CostModel:
                 err = min(max(seconds - t, -0.2 * t), 0.2 * t)
                 for j, w in shares:
                     pts[j] = (pts[j][0], pts[j][1] + rate * w * err)
-                self.__dict__.pop("hull", None)  # recomputed at its next use
+                self._observed += 1
+                if self._observed >= HULL_EVERY:  # NOTE: a guide a few steps stale is fine; one per step is work
+                    self._observed = 0
+                    self.__dict__.pop("hull", None)  # recomputed at its next use
                 return
 
     @cached_property
@@ -153,8 +159,8 @@ def acceptance_estimate(r: Request, pooled: dict[str, list[int]] | None = None) 
 
 @dataclass
 class DraftCost:
-    """Seconds per drafting request of each draft source, from the draft stage's measured time (EMA): a
-    lookup, a table walk, or a learned drafter's forward and catch-up. Model drafters that draft position by
+    """Seconds per drafting request of each draft source, from the drafter's propose, timed on its own (EMA):
+    a lookup, a table walk, or a learned drafter's forward and catch-up. Model drafters that draft position by
     position have their forward curve besides (cost_windows' `draft_step`): what it misses is learned here.
     Per source, since HYBRID's free lookups must not be charged its learned drafter's forward (a step counts
     for its costliest source)."""
@@ -176,10 +182,15 @@ class DraftCost:
         self.per_request[source] = self.decay * self.per_request.get(source, x) + (1 - self.decay) * x
 
 
+def draft_time(draft_step: CostModel | None, active: int, longest: int) -> float:
+    """A model drafter's curve time: one draft forward over the `active` drafting requests per position of
+    the longest window (0 for drafters without a forward curve)."""
+    return draft_step(active) * longest if draft_step is not None and active and longest else 0.0
+
+
 def step_time(cost: CostModel, draft_step: CostModel | None, n_tokens: int, active: int, longest: int) -> float:
-    """The curves' time of one step: a verify forward over `n_tokens` packed tokens, plus (model
-    drafters) one draft forward over the `active` drafting requests per position of the longest window."""
-    return cost(n_tokens) + (draft_step(active) * longest if draft_step is not None and longest else 0.0)
+    """The curves' time of one step: a verify forward over `n_tokens` packed tokens, plus draft_time."""
+    return cost(n_tokens) + draft_time(draft_step, active, longest)
 
 
 def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_step: CostModel | None = None,

@@ -28,7 +28,7 @@ from .. import kernels
 from ..config import EngineConfig
 from ..core import Proposal, Request, SpecStats
 from ..models import fused
-from .cost import CostModel, DraftCost, acceptance_estimate, cost_windows
+from .cost import CostModel, DraftCost, acceptance_estimate, cost_windows, draft_time
 from .gate import DraftGate
 
 if TYPE_CHECKING:
@@ -148,8 +148,7 @@ class CostPolicy(WindowPolicy):
         plan = [max(k, min(w, 1)) if f else k for w, k, f in zip(limits, plan, self.forced)]
         if self.whole:  # the cost model picks who drafts; the window is cut after drafting
             plan = [w if k else 0 for w, k in zip(limits, plan)]
-        active = sum(1 for k in plan if k)
-        self.draft_predicted = self.draft_cost_model(active) * max(plan) if self.draft_cost_model and active else 0.0
+        self.draft_predicted = draft_time(self.draft_cost_model, sum(1 for k in plan if k), max(plan, default=0))
         drafting = [s for s, k in zip(sources, plan) if k]
         self.arm = max(drafting, key=self.drafter.sources.index) if drafting else None  # the costliest one
         return plan

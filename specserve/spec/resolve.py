@@ -22,8 +22,7 @@ def auto_algorithm(config: EngineConfig, target: ModelConfig) -> str | None:
     if ngram and hybrid:
         raise ValueError(f"--speculative-algorithm AUTO: --{ngram[0].replace('_', '-')} (NGRAM) and "
                          f"--{hybrid[0].replace('_', '-')} (HYBRID) choose different drafters; name one")
-    table = config.speculative_ngram_table not in (None, "none") or shipped_table(target) is not None
-    if ngram or (table and not hybrid):
+    if ngram or (not hybrid and shipped_table(target) is not None):
         return "NGRAM"
     return "HYBRID" if hybrid or shipped_drafter(target, AUTO_ARTIFACT) is not None else None
 

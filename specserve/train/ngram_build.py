@@ -161,19 +161,19 @@ def run(a: argparse.Namespace) -> Path:
     table.meta.training = record
     out = Path(a.out)
     table.save(out)
-    (out / "README.md").write_text(model_card(table, len(table.keys)))
+    (out / "README.md").write_text(model_card(table))
     print(json.dumps(record, indent=1), flush=True)
     return out
 
 
-def model_card(table: NgramTable, contexts: int) -> str:
+def model_card(table: NgramTable) -> str:
     m, r = table.meta, table.meta.training
     return f"""# Corpus n-gram table for {m.target}
 
 A specserve NGRAM table (`table.json` + `table.npz`; `specserve/drafters/ngram_table.py`): for each context of
 1..{m.max_n} tokens seen at least {m.min_count} times, the token that most often followed it and the measured
 probability that a draft of it is accepted. NGRAM drafts from it where prompt lookup finds no match of 2 tokens;
-`--speculative-algorithm AUTO` uses it for this target. No model weights: {contexts} contexts, vocabulary {m.vocab_size}.
+`--speculative-algorithm AUTO` uses it for this target. No model weights: {len(table.keys)} contexts, vocabulary {m.vocab_size}.
 
 ## Data
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce the drafters shipped in specserve/drafters/shipped/ (SmolLM2-135M-Instruct targets).
-# `ngram` rebuilds the corpus n-gram table (about 2 minutes); the learned drafters train for hours.
+# `ngram` rebuilds the corpus n-gram table (~1 hour the first time, generating the target's answers; then ~2
+# minutes from their cache); the learned drafters train for hours.
 # Both runs share one work dir (regenerated ShareGPT responses + cached target features) and resume
 # from their checkpoints if interrupted. On the 2-core CPU VM they ran side by side, one thread each.
 set -euo pipefail

@@ -82,6 +82,29 @@ def test_draft_chains_and_stops() -> None:
     assert table.draft([7], 3) == ([], [])  # no entry for the context
 
 
+def test_short_lookup_extended_from_table() -> None:
+    """A prompt-lookup continuation shorter than the window goes on from the table; its own tokens carry NaN
+    confidence, which the policies read as the lookup source's acceptance estimate."""
+    from specserve.core import Request
+    from specserve.drafters.ngram import NgramDrafter
+    from specserve.spec.policy import accept_curves
+
+    streams = [([1, 2, 3, 4, 5, 6] * 4, [True] * 24)]
+    table, _ = NgramTable.build([(np.array(i), np.array(u)) for i, u in streams], vocab_size=8, max_n=2, min_count=2)
+    drafter = NgramDrafter(2, 4, table)
+    r = Request("r", [1, 2, 7, 1, 2], SamplingParams(temperature=0.0))  # [1, 2] recurs: lookup gives [7, 1, 2]
+    r.draft_source = drafter.draft_source(r)
+    assert r.draft_source == "lookup"
+    p = drafter.propose([r], [6])
+    assert p.tokens == [[7, 1, 2, 3, 4, 5]]  # ... then the table chain from [.., 1, 2]: 3 4 5
+    c = p.confidence[0]
+    assert bool(c[:3].isnan().all()) and c[3:].tolist() == [1.0, 1.0, 1.0]
+    r.source_trials["lookup"] = [3, 4]  # (3 + 4·0.5) / (4 + 4) = 0.625 with no pooled record
+    curve = accept_curves([r], p, [6])[0]
+    assert curve == pytest.approx([0.625, 0.625**2, 0.625**3] + [0.625**3] * 3)
+    assert drafter.propose([r], [2]).tokens == [[7, 1]]  # a full-length lookup draft is left as it is
+
+
 def test_save_load_and_errors(tmp_path) -> None:  # noqa: ANN001
     streams = random_streams(2)
     table, (n_of,) = NgramTable.build([(np.array(i), np.array(u)) for i, u in streams], vocab_size=7, max_n=3,
@@ -173,3 +196,46 @@ def test_flag_none_and_other_algorithms(model, greedy_table) -> None:  # noqa: A
         EngineConfig(speculative_algorithm="SYNTHETIC", speculative_ngram_table=str(greedy_table))
     with pytest.raises(ValueError, match="--speculative-ngram-table: .* not an n-gram table"):
         make_llm(model, "NGRAM", speculative_ngram_table=str(greedy_table.parent))
+
+
+class _ChatTok:
+    """A stand-in tokenizer for regenerate: one token id per character of the user's text."""
+
+    def apply_chat_template(self, msgs, add_generation_prompt: bool = True) -> str:  # noqa: ANN001
+        return msgs[-1]["content"]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % V for c in text]
+
+
+def test_regenerate_caches_chunks_and_resumes(model, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Regenerated answers are the target's greedy ones, cached per chunk: a rerun (or a larger
+    --regen-prompts) reads finished chunks instead of generating, and a chunk that does not match is refused."""
+    import argparse
+
+    from specserve.train import ngram_build
+
+    monkeypatch.setattr(ngram_build, "REGEN_CHUNK", 3)
+    rng = random.Random(3)
+    train = [[{"role": "user", "content": "".join(chr(65 + rng.randrange(26)) for _ in range(rng.randrange(3, 8)))},
+              {"role": "assistant", "content": "x"}] for _ in range(7)]
+    tok = _ChatTok()
+    a = argparse.Namespace(regen_prompts=4, regen_tokens=6, max_prompt_tokens=6, regen_cache=str(tmp_path), seed=0)
+    llm = make_llm(model)
+    out = ngram_build.regenerate(llm, tok, train, a)
+    prompts = [tok.encode(c[0]["content"]) for c in train[:6]]  # 4 prompts round up to 2 chunks of 3
+    kept = [p for p in prompts if len(p) <= 6]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chunk-0000.npz", "chunk-0001.npz"]
+    assert len(out) == len(kept)
+    for (ids, mask), p in zip(out, kept):
+        assert list(ids) == p + reference_greedy(model, p, 6) and list(mask) == [False] * len(p) + [True] * 6
+
+    class NoGenerate:  # a rerun must not generate: every chunk is cached
+        def generate(self, *args, **kw):  # noqa: ANN002, ANN003, ANN202
+            raise AssertionError("generated a cached chunk")
+
+    again = ngram_build.regenerate(NoGenerate(), tok, train, a)
+    assert [(list(i), list(m)) for i, m in again] == [(list(i), list(m)) for i, m in out]
+    a.max_prompt_tokens = 7  # other prompts kept: the cached chunks no longer match
+    with pytest.raises(ValueError, match="delete it"):
+        ngram_build.regenerate(NoGenerate(), tok, train, a)

@@ -174,14 +174,16 @@ class CostPolicy(WindowPolicy):
 def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int],
                   pooled: dict[str, list[int]] | None = None) -> list[list[float]]:
     """Per request, P(draft positions 1..i all accepted) for i = 1..min(drafted, window): the
-    cumulative product of the drafter's per-token confidence, or α^i from the request's acceptance
-    so far. For a tree entry i is P(node i accepted) = the product over its path, which is
+    cumulative product of the drafter's per-token confidence (a NaN entry: the request's acceptance
+    estimate), or α^i from the request's acceptance so far. For a tree entry i is P(node i accepted) = the product over its path, which is
     non-increasing in the tree's best-first order, so cutting a prefix keeps the most likely nodes."""
     out = []
     for b, r in enumerate(reqs):
         n = min(len(proposal.tokens[b]), windows[b])
         c = proposal.confidence[b] if proposal.confidence is not None else None
         par = proposal.parents[b] if proposal.parents is not None else None
+        if c is not None and bool(torch.isnan(c[:n]).any()):  # NaN: that token's source has no score of its own
+            c = torch.nan_to_num(c, nan=min(acceptance_estimate(r, pooled), 0.999))
         if c is not None and len(c) >= n and par is not None:
             v: list[float] = []
             for i, x in enumerate(c[:n].double().clamp(0.0, 1.0).tolist()):

@@ -1,9 +1,11 @@
-"""`specserve build-ngram-table`: the corpus n-gram table NGRAM drafts from where prompt lookup finds nothing.
+"""`specserve build-ngram-table`: the corpus n-gram table NGRAM drafts from where prompt lookup finds nothing
+(or runs out).
 
   corpus       ShareGPT training conversations (corpus.py: benchmark overlap dropped, held-out split kept
                out), rendered through the serving chat template; every assistant position counts; plus
-               the target's own greedy answers to --regen-prompts of their first turns, each counted
-               --regen-weight times (measured: 165k such tokens draft about as well as 10M of ShareGPT's)
+               the target's own greedy answers to the first turns (all, or --regen-prompts), each counted
+               --regen-weight times (measured: 165k such tokens draft about as well as 10M of ShareGPT's),
+               generated once and cached per chunk of 256 prompts (an interrupted build resumes)
   table        NgramTable.build: per context of 1..--max-n tokens seen ≥ --min-count times, its most
                frequent next token
   calibration  held-out first turns answered greedily by the target in its serving precision; each
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 import time
@@ -38,10 +41,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=4, help="longest context, in tokens")
     p.add_argument("--min-count", type=int, default=2, help="contexts seen fewer times are left out")
     p.add_argument("--max-conversations", type=int, default=None, help="use the first N training conversations")
-    p.add_argument("--regen-prompts", type=int, default=800,
-                   help="training first turns the target answers greedily into the corpus (0: none)")
+    p.add_argument("--regen-prompts", type=int, default=None,
+                   help="training first turns the target answers greedily into the corpus (default: all; 0: none; "
+                        "rounded up to chunks of 256)")
     p.add_argument("--regen-tokens", type=int, default=256, help="tokens per regenerated answer")
     p.add_argument("--regen-weight", type=int, default=5, help="how many times each regenerated answer counts")
+    p.add_argument("--regen-cache", default=None,
+                   help="directory of cached regenerated answers (default: ~/.cache/specserve/train/ngram-regen/<key>)")
     p.add_argument("--heldout-per-domain", type=int, default=16, help="calibration prompts per domain (chat, code, math)")
     p.add_argument("--eval-tokens", type=int, default=256, help="greedy tokens per calibration prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=384)
@@ -65,30 +71,65 @@ def replay_tau(prompt: list[int], g: list[int], draft: Draft, k: int) -> tuple[i
 
 
 def table_draft(table: NgramTable | None, min_match: int, max_match: int = 4) -> Draft:
-    """NGRAM's proposal rule (ngram.py): prompt lookup, else the table (uncut)."""
+    """NGRAM's proposal rule (ngram.py): prompt lookup, extended from the table when shorter than k, else the
+    table (uncut)."""
     def draft(ctx: list[int], k: int) -> list[int]:
         d = ngram_lookup(ctx, min_match, max_match, k)
-        return d if d or table is None else table.draft(ctx, k)[0]
+        return d + table.draft(ctx + d, k - len(d))[0] if table is not None and len(d) < k else d
     return draft
 
 
+REGEN_CHUNK = 256  # prompts per cached file of regenerated answers
+
+
+def regen_dir(a: argparse.Namespace, llm) -> Path:  # noqa: ANN001
+    """Where regenerated answers are cached: keyed by target, serving precision, seed and answer length, so a
+    later build (or a resumed one) reuses every finished chunk."""
+    if a.regen_cache:
+        return Path(a.regen_cache)
+    mode = llm.engine.config.quantization or str(llm.engine.model.dtype).removeprefix("torch.")
+    name = re.sub(r"[^a-z0-9._]+", "-", llm.engine.model.cfg.name.lower())
+    key = f"{name}-{mode}-seed{a.seed}-{a.regen_tokens}tok-{a.max_prompt_tokens}ptok"
+    return Path.home() / ".cache" / "specserve" / "train" / "ngram-regen" / key
+
+
 def regenerate(llm, tok, train: list, a: argparse.Namespace) -> list[tuple[np.ndarray, np.ndarray]]:  # noqa: ANN001
-    """(prompt + answer ids, answer mask) of the target's greedy answers to training first turns."""
+    """(prompt + answer ids, answer mask) of the target's greedy answers to the first turns of the first
+    --regen-prompts training conversations, rounded up to whole chunks of REGEN_CHUNK. Each chunk is cached on
+    disk: an interrupted build resumes where it stopped, and a larger --regen-prompts only generates new chunks."""
     prompts = []
-    for conv in train:
-        if len(prompts) >= a.regen_prompts:
-            break
+    wanted = len(train) if a.regen_prompts is None else -(-a.regen_prompts // REGEN_CHUNK) * REGEN_CHUNK
+    for conv in train[:wanted]:
         first = conv[: next(i for i, m in enumerate(conv) if m["role"] == "user") + 1]
         ids = tok.encode(tok.apply_chat_template(first, add_generation_prompt=True), add_special_tokens=False)
-        if len(ids) <= a.max_prompt_tokens:
-            prompts.append(ids)
-    if not prompts:
-        return []
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=a.regen_tokens))
+        prompts.append(ids if len(ids) <= a.max_prompt_tokens else None)  # too long: skipped, index kept
+    cache = regen_dir(a, llm)
+    cache.mkdir(parents=True, exist_ok=True)
     out = []
-    for p, o in zip(prompts, outs):
-        g = list(o.outputs[0].token_ids)
-        out.append((np.asarray(p + g), np.asarray([False] * len(p) + [True] * len(g))))
+    for c0 in range(0, len(prompts), REGEN_CHUNK):
+        chunk = prompts[c0 : c0 + REGEN_CHUNK]
+        path = cache / f"chunk-{c0 // REGEN_CHUNK:04d}.npz"
+        kept = [p for p in chunk if p is not None]
+        if path.exists():
+            z = np.load(path)
+            offsets, ids, plen = z["offsets"], z["ids"], z["prompt_len"]
+        else:
+            t0 = time.time()
+            outs = llm.generate(kept, SamplingParams(temperature=0.0, max_tokens=a.regen_tokens)) if kept else []
+            seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(kept, outs)]
+            offsets = np.cumsum([0] + [len(s) for s in seqs])
+            ids = np.asarray([t for s in seqs for t in s], dtype=np.int64)
+            plen = np.asarray([len(p) for p in kept], dtype=np.int64)
+            tmp = path.with_suffix(".tmp.npz")
+            np.savez(tmp, offsets=offsets, ids=ids, prompt_len=plen)
+            tmp.rename(path)  # NOTE: a chunk file exists only once complete
+            print(f"regenerated chunk {c0 // REGEN_CHUNK}: {len(kept)} answers, {int(offsets[-1] - plen.sum())} tokens, "
+                  f"{time.time() - t0:.0f} s -> {path}", flush=True)
+        if len(plen) != len(kept):
+            raise ValueError(f"{path}: {len(plen)} answers cached, {len(kept)} prompts expected; delete it to regenerate")
+        for i, n in enumerate(plen):
+            seq = ids[offsets[i] : offsets[i + 1]]
+            out.append((seq, np.arange(len(seq)) >= n))
     return out
 
 

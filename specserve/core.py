@@ -242,9 +242,6 @@ class SpecStats:
     window_counts: list[int] = field(default_factory=list)  # decode rows by window size chosen (0 = plain)
     #: draft source → [accepted, tested] positions over every request (the prior of each request's estimate)
     source_trials: dict[str, list[int]] = field(default_factory=dict)
-    #: draft source → [accepted, Σ confidence] over tested positions that carried the drafter's own confidence:
-    #: how far that confidence is off on the traffic served (the policies rescale it: spec/policy.py)
-    source_scored: dict[str, list[float]] = field(default_factory=dict)
 
     def record_window(self, k: int) -> None:
         if len(self.window_counts) <= k:

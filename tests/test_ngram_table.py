@@ -8,7 +8,6 @@ import random
 from collections import Counter
 
 import numpy as np
-import torch
 import pytest
 
 from specserve.core import SamplingParams
@@ -267,50 +266,3 @@ def test_regenerate_caches_chunks_and_resumes(model, tmp_path, monkeypatch) -> N
     with pytest.raises(ValueError, match="delete it"):
         ngram_build.regenerate(NoGenerate(), tok, train, a)
 
-
-def test_served_confidence_is_recorded_and_rescales(model, greedy_table) -> None:  # noqa: ANN001
-    """Emit records, per source, the accepted count and the summed confidence of the tested positions that carried
-    the drafter's own confidence (exactly those of a replay of the engine's loop); the policies then rescale the
-    confidence by accepted / Σ confidence, shrunk to 1."""
-    from specserve.drafters.ngram import ngram_lookup
-    from specserve.spec.policy import SCORED_PRIOR, accept_curves, confidence_scale
-
-    table = NgramTable.load(greedy_table)
-    llm = make_llm(model, "NGRAM", K=4, speculative_ngram_table=str(greedy_table), speculative_ngram_min_match=2,
-                   speculative_window="fixed")
-    rng = random.Random(13)
-    want: dict[str, list[float]] = {}
-    for _ in range(4):
-        prompt = [rng.randrange(V) for _ in range(7)]
-        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30))[0].outputs[0]
-        ctx, g = prompt + [out.token_ids[0]], out.token_ids[1:]
-        i = 0
-        while i < len(g):
-            c, lim = ctx + g[:i], min(4, len(g) - i - 1)
-            d = ngram_lookup(c, 2, 4, lim)
-            source = "lookup" if ngram_lookup(c, 2, 4, 1) else "table"
-            t, conf = table.draft(c + d, lim - len(d)) if len(d) < lim else ([], [])
-            full, confs = d + t, [None] * len(d) + conf
-            a = 0
-            while a < len(full) and full[a] == g[i + a]:
-                a += 1
-            for j in range(min(a + 1, len(full))):  # tested positions
-                if confs[j] is not None:
-                    w = want.setdefault(source, [0.0, 0.0])
-                    w[0] += j < a
-                    w[1] += confs[j]
-            i += a + 1
-    got = llm.engine.stats.source_scored
-    assert got.keys() == want.keys() and "table" in got
-    for s in want:
-        assert got[s][0] == want[s][0] and got[s][1] == pytest.approx(want[s][1], abs=1e-4)
-    scored = {"table": [30.0, 50.0]}
-    assert confidence_scale(scored, "table") == pytest.approx((30 + SCORED_PRIOR) / (50 + SCORED_PRIOR))
-    assert confidence_scale(scored, "lookup") == 1.0
-    from specserve.core import Proposal, Request
-
-    r = Request("r", [1, 2], SamplingParams(temperature=0.0))
-    r.draft_source = "table"
-    p = Proposal(tokens=[[3, 4]], confidence=[torch.tensor([0.8, 0.5])])
-    s = confidence_scale(scored, "table")
-    assert accept_curves([r], p, [2], None, scored)[0] == pytest.approx([0.8 * s, 0.8 * s * 0.5 * s])

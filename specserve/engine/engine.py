@@ -278,9 +278,8 @@ class Engine:
         extras: per request (target features, recurrent row states) of its verify rows."""
         out = []
         qs, parents = proposal.q or [None] * len(reqs), proposal.parents or [None] * len(reqs)
-        confs = proposal.confidence or [None] * len(reqs)
-        for r, raw, d, q, par, cf, (f, st) in zip(reqs, logits, proposal.tokens, qs, parents, confs,
-                                                  extras or [(None, None)] * len(reqs)):
+        for r, raw, d, q, par, (f, st) in zip(reqs, logits, proposal.tokens, qs, parents,
+                                              extras or [(None, None)] * len(reqs)):
             try:
                 res: AcceptResult = accept_request(r, raw, d, q, self.config.speculative_accept, par)
             except Exception as e:  # noqa: BLE001
@@ -289,7 +288,7 @@ class Engine:
             if res.error is not None:
                 self._fail(r, res.error)
                 continue
-            out.append(Committed(r, res, raw, f, len(d), verified, st, cf))
+            out.append(Committed(r, res, raw, f, len(d), verified, st))
         return out
 
     def _fail_exc(self, r: Request, stage: str, e: Exception) -> None:

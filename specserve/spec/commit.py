@@ -45,7 +45,6 @@ class Committed:
     num_draft: int  # draft tokens verified
     verified: bool = True
     states: RowStates | None = None  # hybrid targets: recurrent state after each verify row
-    confidence: torch.Tensor | None = None  # the drafter's per-token confidence of the verified drafts (NaN: none)
     emitted: int = 0  # tokens emitted (the stop scan may cut the accepted run)
     failed: bool = False
 
@@ -118,13 +117,6 @@ class Emit(CommitStep):
                 for st in (r.source_trials.setdefault(r.draft_source, [0, 0]),
                            self.stats.source_trials.setdefault(r.draft_source, [0, 0])):
                     st[0], st[1] = st[0] + n_acc, st[1] + tested
-                if c.confidence is not None and c.result.path is None:  # chains only: a tree's order is not a chain
-                    conf = c.confidence[:tested].double()
-                    own = ~torch.isnan(conf)
-                    if bool(own.any()):
-                        sc = self.stats.source_scored.setdefault(r.draft_source, [0.0, 0.0])
-                        sc[0] += float(own[:n_acc].sum())
-                        sc[1] += float(conf[own].sum())
                 count_per_pos(r.spec_accepted_per_pos, c.num_draft, n_acc)
                 self.stats.record(c.num_draft, n_acc)
             if reason is not None:

@@ -58,12 +58,10 @@ class WindowPolicy(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.pooled: dict[str, list[int]] = {}
-        self.scored: dict[str, list[float]] = {}
 
     def bind(self, runner: "ModelRunner", drafter: "Drafter", stats: SpecStats) -> None:
         """Called once the target runner and the drafter exist (measure what the policy needs)."""
         self.pooled = stats.source_trials  # every request's acceptance per source: the prior of each estimate
-        self.scored = stats.source_scored  # how the drafters' own confidence compares with acceptance, per source
 
     def plan(self, reqs: list[Request], limits: list[int]) -> list[int]:
         return list(limits)
@@ -101,7 +99,7 @@ class ConfidencePolicy(WindowPolicy):
         self.threshold = self.floor = config.value("speculative_confidence_threshold")
 
     def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
-        return confidence_windows(accept_curves(reqs, proposal, windows, self.pooled, self.scored), self.threshold)
+        return confidence_windows(accept_curves(reqs, proposal, windows, self.pooled), self.threshold)
 
 
 @register_policy
@@ -158,7 +156,7 @@ class CostPolicy(WindowPolicy):
     def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
         if not self.whole:
             return windows
-        curves = accept_curves(reqs, proposal, windows, self.pooled, self.scored)
+        curves = accept_curves(reqs, proposal, windows, self.pooled)
         # NOTE: the drafts exist: drafting is paid for, only verifying them costs from here. An explored source
         # is not forced to verify a draft either: it drafted (plan forced that), and which drafts to verify is
         # the cost model's choice, as when it is open. Forcing the first one verified its least likely drafts
@@ -173,34 +171,19 @@ class CostPolicy(WindowPolicy):
         self.draft_gate.observe(stats.batch, self.arm if stats.drafted else None, stats.seconds, stats.emitted)
 
 
-#: pseudo-positions at which a drafter's confidence is taken as it is, before the served acceptance rescales it
-SCORED_PRIOR = 20.0
-
-
-def confidence_scale(scored: dict[str, list[float]] | None, source: str) -> float:
-    """Accepted / Σ confidence over the served positions the source's own confidence scored (shrunk to 1):
-    a calibration made offline drifts with the traffic (the shipped n-gram table's, measured on held-out chat,
-    is ~0.05-0.08 optimistic on MT-Bench and Alpaca), and a confidence read too high verifies drafts that lose."""
-    accepted, predicted = scored.get(source, (0.0, 0.0)) if scored else (0.0, 0.0)
-    return (accepted + SCORED_PRIOR) / (predicted + SCORED_PRIOR)
-
-
 def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int],
-                  pooled: dict[str, list[int]] | None = None,
-                  scored: dict[str, list[float]] | None = None) -> list[list[float]]:
+                  pooled: dict[str, list[int]] | None = None) -> list[list[float]]:
     """Per request, P(draft positions 1..i all accepted) for i = 1..min(drafted, window): the
-    cumulative product of the drafter's per-token confidence (rescaled by confidence_scale; a NaN entry: the
-    request's acceptance estimate), or α^i from the request's acceptance so far. For a tree entry i is
-    P(node i accepted) = the product over its path, which is non-increasing in the tree's best-first order,
-    so cutting a prefix keeps the most likely nodes."""
+    cumulative product of the drafter's per-token confidence (a NaN entry: the request's acceptance
+    estimate), or α^i from the request's acceptance so far. For a tree entry i is P(node i accepted) = the product over its path, which is
+    non-increasing in the tree's best-first order, so cutting a prefix keeps the most likely nodes."""
     out = []
     for b, r in enumerate(reqs):
         n = min(len(proposal.tokens[b]), windows[b])
         c = proposal.confidence[b] if proposal.confidence is not None else None
         par = proposal.parents[b] if proposal.parents is not None else None
-        if c is not None:  # rescaled by the served acceptance; NaN: no score of its own, the request's estimate
-            c = torch.nan_to_num(c.double() * confidence_scale(scored, r.draft_source),
-                                 nan=min(acceptance_estimate(r, pooled), 0.999))
+        if c is not None and bool(torch.isnan(c[:n]).any()):  # NaN: that token's source has no score of its own
+            c = torch.nan_to_num(c, nan=min(acceptance_estimate(r, pooled), 0.999))
         if c is not None and len(c) >= n and par is not None:
             v: list[float] = []
             for i, x in enumerate(c[:n].double().clamp(0.0, 1.0).tolist()):

@@ -178,8 +178,9 @@ def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int],
                   pooled: dict[str, list[int]] | None = None) -> list[list[float]]:
     """Per request, P(draft positions 1..i all accepted) for i = 1..min(drafted, window): the
     cumulative product of the drafter's per-token confidence (a NaN entry: the request's acceptance
-    estimate), or α^i from the request's acceptance so far. For a tree entry i is P(node i accepted) = the product over its path, which is
-    non-increasing in the tree's best-first order, so cutting a prefix keeps the most likely nodes."""
+    estimate), or α^i from the request's acceptance so far. For a tree entry i is P(node i accepted) = the
+    product over its path, which is non-increasing in the tree's best-first order, so cutting a prefix keeps
+    the most likely nodes."""
     out = []
     for b, r in enumerate(reqs):
         n = min(len(proposal.tokens[b]), windows[b])

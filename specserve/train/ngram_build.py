@@ -123,17 +123,20 @@ def regenerate(llm, tok, train: list, a: argparse.Namespace) -> list[tuple[np.nd
             tmp = path.with_suffix(".tmp.npz")
             np.savez(tmp, offsets=offsets, ids=ids, prompt_len=plen)
             tmp.rename(path)  # NOTE: a chunk file exists only once complete
-            print(f"regenerated chunk {c0 // REGEN_CHUNK}: {len(kept)} answers, {int(offsets[-1] - plen.sum())} tokens, "
+            print(f"regenerated chunk {c0 // REGEN_CHUNK}: {len(kept)} answers, "
+                  f"{int(offsets[-1] - plen.sum())} tokens, "
                   f"{time.time() - t0:.0f} s -> {path}", flush=True)
         if len(plen) != len(kept):
-            raise ValueError(f"{path}: {len(plen)} answers cached, {len(kept)} prompts expected; delete it to regenerate")
+            raise ValueError(f"{path}: {len(plen)} answers cached, {len(kept)} prompts expected; "
+                             "delete it to regenerate")
         for i, n in enumerate(plen):
             seq = ids[offsets[i] : offsets[i + 1]]
             out.append((seq, np.arange(len(seq)) >= n))
     return out
 
 
-def table_trials(table: NgramTable, held: list[tuple[list[int], list[int]]], k: int = 4) -> tuple[np.ndarray, np.ndarray]:
+def table_trials(table: NgramTable, held: list[tuple[list[int], list[int]]],
+                 k: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """(accepted, tested) table drafts per (context length n, raw-probability bin), where serving drafts from
     the table: the greedy speculative loop replayed on each answer with NGRAM's rule (table_draft), each table
     draft counted until the first rejection. NOTE: not at every position of the answers: a draft starts right

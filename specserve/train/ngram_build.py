@@ -228,7 +228,8 @@ def model_card(table: NgramTable) -> str:
 
 A specserve NGRAM table (`table.json` + `table.npz`; `specserve/drafters/ngram_table.py`): for each context of
 1..{m.max_n} tokens seen at least {m.min_count} times, the token that most often followed it and the measured
-probability that a draft of it is accepted. NGRAM drafts from it where prompt lookup finds no match of 2 tokens;
+probability that a draft of it is accepted. NGRAM drafts from it where prompt lookup finds no match of 2 tokens,
+and extends a lookup continuation shorter than the window;
 `--speculative-algorithm AUTO` uses it for this target. No model weights: {len(table.keys)} contexts, vocabulary {m.vocab_size}.
 
 ## Data
@@ -236,7 +237,8 @@ probability that a draft of it is accepted. NGRAM drafts from it where prompt lo
 - {r["data"]}: {m.tokens} positions counted
 - calibration: {r["heldout"]}, answered by the target in its serving precision; acceptance per (context
   length, raw-probability bin), smoothed and made non-decreasing (`calibration` in table.json)
-- built in {r["seconds"]} s on this machine
+- built in {r["seconds"]} s on this machine (the target's answers are generated once, ~1 h for every training first
+  turn at batch 32 on 2 cores, and cached per chunk: a rebuild reads them)
 
 Reproduce (`scripts/train_shipped.sh ngram`):
 

@@ -102,7 +102,8 @@ def test_short_lookup_extended_from_table() -> None:
     r.source_trials["lookup"] = [3, 4]  # (3 + 4·0.5) / (4 + 4) = 0.625 with no pooled record
     curve = accept_curves([r], p, [6])[0]
     assert curve == pytest.approx([0.625, 0.625**2, 0.625**3] + [0.625**3] * 3)
-    assert drafter.propose([r], [2]).tokens == [[7, 1]]  # a full-length lookup draft is left as it is
+    full = drafter.propose([r], [2])
+    assert full.tokens == [[7, 1]] and full.confidence == [None]  # a full-length lookup draft is left as it is
 
 
 def test_save_load_and_errors(tmp_path) -> None:  # noqa: ANN001

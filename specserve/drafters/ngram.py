@@ -113,7 +113,8 @@ class NgramDrafter(Drafter):
                 ext, c = self.table.draft(r.all_ids + t, w - len(t), self.floor) if len(t) < w else ([], [])
                 tokens.append(t + ext)
                 # NOTE: NaN = no confidence of its own: the policy uses the lookup source's acceptance estimate
-                conf.append(torch.tensor([float("nan")] * len(t) + c, dtype=torch.float32))
+                # (as for a lookup without extension, which carries none)
+                conf.append(torch.tensor([float("nan")] * len(t) + c, dtype=torch.float32) if ext else None)
             else:
                 t, c = self.table.draft(r.all_ids, w, self.floor)
                 tokens.append(t)

@@ -96,7 +96,8 @@ def _available_paths() -> list[int]:
 @pytest.mark.parametrize("bits,has_m", [(4, True), (4, False), (8, False), (8, True)])
 def test_fp16_scales_packed_when_exact_and_bit_equal(bits: int, has_m: bool) -> None:
     """pack stores d/m as fp16 exactly when every value is an fp16 (GGUF's own scales), else fp32; both layouts
-    give the reference's bits on every path the CPU has, for M from decode to past the AMX threshold."""
+    give the reference's bits on every path the CPU has, for M from decode to past the AMX threshold (auto: 16-row
+    AMX chunks with the rest on VNNI, 17 and 40, or on an overlapping AMX chunk, 28)."""
     N, K = 72, 576
     q, d, m = _weights(N, K, bits, has_m)
     assert pack(q, d, m, bits)[1].dtype == torch.float32  # random fp32 scales are not fp16 values
@@ -105,10 +106,10 @@ def test_fp16_scales_packed_when_exact_and_bit_equal(bits: int, has_m: bool) -> 
     w16 = pack(q, d16, m16, bits)
     assert w16[1].dtype == torch.float16 and (m16 is None or w16[2].dtype == torch.float16)
     w32 = tuple(t if t is None or t.dtype == torch.uint8 else t.float() for t in w16)
-    x = _acts(17, K)
+    x = _acts(40, K)
     ref = qgemm_ref(x, q, d16, m16)
     for impl in _available_paths():
-        for M in (1, 5, 9, 17):
+        for M in (1, 5, 9, 17, 28, 40):
             y16 = torch.ops.specserve.qgemm(x[:M], *w16, N, bits, impl)
             assert torch.equal(y16, ref[:M]), (impl, M)
             assert torch.equal(torch.ops.specserve.qgemm(x[:M], *w32, N, bits, impl), y16), (impl, M)

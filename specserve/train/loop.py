@@ -1,11 +1,11 @@
 """The optimisation loop of `train-drafter`: AdamW, warmup + cosine, resumable at any step.
 
-A checkpoint (`<work>/<algorithm>-checkpoint.pt`, written atomically every --checkpoint-every steps
-and every --checkpoint-minutes) holds the net, the optimizer, the step, the RNG state and the data
+A checkpoint (`<work>/<algorithm>[-ft]-checkpoint.pt`, -ft for a fine-tune; written atomically every
+--checkpoint-every steps and every --checkpoint-minutes) holds the net, the optimizer, the step, the RNG state and the data
 position (epoch permutation seed + offset), so a resumed run continues the same data stream. With a
 held-out set, each checkpoint is also scored by the teacher-forced evaluator (= serving τ at T = 0,
 weights rounded to bf16 as the artifact stores them) and kept as a snapshot in
-`<work>/<algorithm>-snapshots/` — the log's (seen tokens, data tokens, held-out τ) rows are the
+`<work>/<algorithm>[-ft]-snapshots/` — the log's (seen tokens, data tokens, held-out τ) rows are the
 scaling curve.
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ def train(a, net: DraftNet, t2d: torch.Tensor, stream_factory: Callable, ckpt: P
             print(f"resumed from {ckpt} at step {step}", flush=True)
         else:
             print(f"{ckpt} was made for another drafter config: starting over (it will be overwritten)", flush=True)
-    snaps = ckpt.parent / f"{cfg.algorithm}-snapshots"
+    snaps = ckpt.parent / ckpt.name.replace("-checkpoint.pt", "-snapshots")
     stream = stream_factory(gen, position)
     bar = tqdm(total=a.steps, initial=step, desc=f"train {cfg.algorithm}", unit="step", mininterval=30)
     t0, last_ckpt, rec = time.time() - before, time.time(), {}

@@ -148,7 +148,9 @@ def run(a: argparse.Namespace) -> Path:
     cfg = _drafter_config(a, tcfg)
     if a.eval_only:
         return _eval_only(a, target, tok, work)
-    log_path, ckpt = work / f"{a.algorithm}-train-log.jsonl", work / f"{a.algorithm}-checkpoint.pt"
+    # NOTE: a fine-tune (--init-from) keeps its own checkpoint and log: it must not resume a from-scratch run's
+    run = a.algorithm + ("-ft" if a.init_from else "")
+    log_path, ckpt = work / f"{run}-train-log.jsonl", work / f"{run}-checkpoint.pt"
     heldout: HeldOut | None = None
     if a.data == "prefill":
         labeler_target = _labeling_target(a, target)

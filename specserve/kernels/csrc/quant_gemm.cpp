@@ -220,6 +220,7 @@ int64_t env_impl() {
 // cost per block), is mixed at M = 8 (-8 %..+10 % per shape; no gain end to end for verify-8), and wins on
 // every shape from M = 12 (1.05-1.2x; 1.2-1.4x at M = 16).
 constexpr int64_t AMX_MIN_M = 12;
+constexpr int64_t AMX_CHUNK = 16;  // rows per AMX tile multiply (quant_gemm_amx.cpp: MT)
 
 bool use_vnni(int64_t impl) {
   TORCH_CHECK(impl >= AUTO && impl <= AMX, "qgemm: impl must be 0 (auto), 1 (portable), 2 (vnni) or 3 (amx)");
@@ -235,12 +236,14 @@ bool use_amx(int64_t impl, int64_t M) {
   return impl == AUTO && M >= AMX_MIN_M && have_vnni() && specserve_quant::amx_usable();
 }
 
-std::vector<at::Tensor> quantize_act(const at::Tensor& x_, int64_t impl) {
+// pad_rows: q gets M rounded up to a multiple of it rows (zeros past M; the AMX path's contract), returned [M, K].
+std::vector<at::Tensor> quantize_act_padded(const at::Tensor& x_, int64_t impl, int64_t pad_rows) {
   if (impl == FROM_ENV) impl = env_impl();
   TORCH_CHECK(x_.dim() == 2 && x_.size(1) % QK == 0, "quantize_act: x must be [M, K] with K % 32 == 0");
   const at::Tensor x = x_.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, padded = (M + pad_rows - 1) / pad_rows * pad_rows;
+  at::Tensor q = padded > M ? at::zeros({padded, K}, x.options().dtype(at::kChar)).narrow(0, 0, M)
+                            : at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, nb}, x.options());
   at::Tensor sa = at::empty({M, nb}, x.options());
   at::Tensor sum = at::empty({M, nb}, x.options().dtype(at::kInt));
@@ -252,6 +255,8 @@ std::vector<at::Tensor> quantize_act(const at::Tensor& x_, int64_t impl) {
   std::apply(quantize_rows_portable, args);
   return {q, d, sa, sum};
 }
+
+std::vector<at::Tensor> quantize_act(const at::Tensor& x, int64_t impl) { return quantize_act_padded(x, impl, 1); }
 
 // Column tiles [t0, t1) of y = x·Wᵀ on the VNNI or portable path (S: the scales' type).
 template <typename S>
@@ -301,14 +306,15 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& wd
   const bool has_m = wm_.has_value() && wm_->defined();
   if (has_m) TORCH_CHECK(wm_->dtype() == wd.dtype() && wm_->is_contiguous() && wm_->numel() == wd.numel(),
                          "qgemm: offsets must have the scales' dtype and shape");
-  auto act = quantize_act(x.reshape({-1, K}), impl);
-  const int64_t M = act[0].size(0);
+  const at::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  const bool vnni = use_vnni(impl), amx = M > 0 && use_amx(impl, M);
+  auto act = quantize_act_padded(x2, impl, amx && M > AMX_CHUNK ? AMX_CHUNK : 1);
   at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
   const Acts a{act[0].data_ptr<int8_t>(), act[1].data_ptr<float>(), act[2].data_ptr<float>(),
                act[3].data_ptr<int32_t>(), K, nb};
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const bool vnni = use_vnni(impl), amx = M > 0 && use_amx(impl, M);
   auto run = [&](auto* wdp, auto* wmp) {
     // NOTE: the split over tiles (columns) never changes any column's arithmetic.
     at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {

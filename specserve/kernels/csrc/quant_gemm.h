@@ -37,7 +37,8 @@ bool amx_usable();
 
 // Column tiles [t0, t1) of y[M, n] (row stride n) with AMX, every row. Each block's integer sum is exact
 // int32 and the fp32 epilogue is the VNNI path's, op for op: bit-identical to the other paths.
-// One per scale type (fp32, fp16).
+// NOTE: for M > 16, a.q must hold M rounded up to a multiple of 16 rows (tile loads read whole 16-row chunks;
+// the padding rows' results are never used, whatever they hold). One per scale type (fp32, fp16).
 void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits,
                     float* y, int64_t n, int64_t t0, int64_t t1);
 void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int bits,

@@ -4,6 +4,9 @@
 # minutes from their cache); the learned drafters train for hours.
 # Both runs share one work dir (regenerated ShareGPT responses + cached target features) and resume
 # from their checkpoints if interrupted. On the 2-core CPU VM they ran side by side, one thread each.
+# The shipped DSpark and EAGLE-3 are these base runs fine-tuned on w4a8-labelled prefill data: then
+#   scripts/train_prefill.sh features; scripts/train_prefill.sh dspark-ft (or eagle3-ft)
+# and copy $WORK/out/dspark-ft (eagle3-ft) over the shipped artifact (docs/training.md, model cards).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-$HOME/.cache/specserve/train/smollm2-135m}

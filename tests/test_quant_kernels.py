@@ -97,7 +97,7 @@ def _available_paths() -> list[int]:
 def test_fp16_scales_packed_when_exact_and_bit_equal(bits: int, has_m: bool) -> None:
     """pack stores d/m as fp16 exactly when every value is an fp16 (GGUF's own scales), else fp32; both layouts
     give the reference's bits on every path the CPU has, for M from decode to past the AMX threshold (auto: 16-row
-    AMX chunks with the rest on VNNI, 17 and 40, or on an overlapping AMX chunk, 28)."""
+    AMX chunks with a rest of up to 3 rows on VNNI, 17 and 35, or a zero-padded AMX chunk, 28 and 40)."""
     N, K = 72, 576
     q, d, m = _weights(N, K, bits, has_m)
     assert pack(q, d, m, bits)[1].dtype == torch.float32  # random fp32 scales are not fp16 values
@@ -109,7 +109,7 @@ def test_fp16_scales_packed_when_exact_and_bit_equal(bits: int, has_m: bool) -> 
     x = _acts(40, K)
     ref = qgemm_ref(x, q, d16, m16)
     for impl in _available_paths():
-        for M in (1, 5, 9, 17, 28, 40):
+        for M in (1, 5, 9, 17, 28, 35, 40):
             y16 = torch.ops.specserve.qgemm(x[:M], *w16, N, bits, impl)
             assert torch.equal(y16, ref[:M]), (impl, M)
             assert torch.equal(torch.ops.specserve.qgemm(x[:M], *w32, N, bits, impl), y16), (impl, M)

@@ -139,8 +139,8 @@ def test_cost_policy_is_lossless_and_adapts(monkeypatch: pytest.MonkeyPatch, alg
     assert sum(counts) == sum(steps)
     for o, n in zip(outs, steps):
         assert o.meta_info["spec_mean_window"] == pytest.approx(o.meta_info["spec_draft_tokens"] / n)
-    if rate == 0.0:  # nothing is ever accepted: the policy falls back to plain decoding
-        assert counts[0] > sum(counts[1:])
+    if rate == 0.0:  # nothing is ever accepted: the policy falls back to plain decoding, then stops planning
+        assert counts[0] > sum(counts[1:]) and llm.engine.policy.skip  # (idle steps: the equality above holds)
     if rate == 0.9:
         assert sum(counts[1:]) > counts[0]
 
@@ -235,3 +235,28 @@ def test_cost_policy_drafts_at_least_one_position_of_an_explored_source(monkeypa
     assert pol.plan([a, b], [4, 4]) == [0, 1] and pol.arm == "learned"
     pol.draft_cost.per_request = {}  # cheap again: the explored source gets the cost model's window
     assert pol.plan([a, b], [4, 4])[1] > 1
+
+
+def test_cost_policy_idles_a_batch_size_whose_plans_draft_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """IDLE_AFTER plans in a row that draft nothing at one batch size make that size skip the next IDLE_STEPS
+    plans (idle() is True, counted down per step); one plan that drafts resets the streak; other sizes plan."""
+    from specserve.spec.policy import CostPolicy
+
+    pol = CostPolicy(EngineConfig(speculative_algorithm="NGRAM", speculative_window="cost"))
+    pol.cost_model, pol.draft_cost_model, pol.whole = CostModel([(1, 1.0), (64, 1.5)]), None, False
+    pol.drafter = type("D", (), {"sources": ("draft",)})()
+    monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": "open")
+    reqs = [_req(6, 10), _req(6, 10)]
+    pol.draft_cost.per_request = {"draft": 100.0}  # drafting looks far too dear: every plan is empty
+    for _ in range(pol.IDLE_AFTER - 1):
+        assert not pol.idle(2) and pol.plan(reqs, [4, 4]) == [0, 0]
+    pol.draft_cost.per_request = {}  # one plan that drafts resets the streak
+    assert not pol.idle(2) and pol.plan(reqs, [4, 4]) != [0, 0]
+    pol.draft_cost.per_request = {"draft": 100.0}
+    for _ in range(pol.IDLE_AFTER):
+        assert not pol.idle(2)
+        pol.plan(reqs, [4, 4])
+    assert [pol.idle(2) for _ in range(pol.IDLE_STEPS)] == [True] * pol.IDLE_STEPS
+    assert not pol.idle(2) and not pol.idle(3)  # planned again (and it stays empty: idle again after it)
+    pol.plan(reqs, [4, 4])
+    assert pol.idle(2)

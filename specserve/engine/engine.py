@@ -228,10 +228,12 @@ class Engine:
     def _draft(self, reqs: list[Request]) -> tuple[list[Request], Proposal, int, float]:
         """(requests still running, their proposals cut to the verify windows, requests that drafted, seconds
         the drafter's propose took: the cost of drafting, which the `cost` policy learns)."""
-        if self.drafter is not None:
-            for r in reqs:
+        if self.drafter is not None and self.policy.idle(len(reqs)):
+            windows = [0] * len(reqs)
+        else:
+            for r in reqs if self.drafter is not None else ():
                 r.draft_source = self.drafter.draft_source(r)
-        windows = self.policy.plan(reqs, [self._limit(r) for r in reqs])
+            windows = self.policy.plan(reqs, [self._limit(r) for r in reqs])
         forced = forced_drafts(reqs, windows, lambda r: self._limit(r, self.forced_draft_tokens))
         windows = [0 if r.request_id in forced else w for r, w in zip(reqs, windows)]  # those skip the drafter
         proposal = Proposal.empty(len(reqs))

@@ -228,10 +228,10 @@ class Engine:
     def _draft(self, reqs: list[Request]) -> tuple[list[Request], Proposal, int, float]:
         """(requests still running, their proposals cut to the verify windows, requests that drafted, seconds
         the drafter's propose took: the cost of drafting, which the `cost` policy learns)."""
-        if self.drafter is not None and self.policy.idle(len(reqs)):
-            windows = [0] * len(reqs)
+        if self.drafter is None or self.policy.idle(len(reqs)):
+            windows = [0] * len(reqs)  # nobody drafts: no draft sources, no plan
         else:
-            for r in reqs if self.drafter is not None else ():
+            for r in reqs:
                 r.draft_source = self.drafter.draft_source(r)
             windows = self.policy.plan(reqs, [self._limit(r) for r in reqs])
         forced = forced_drafts(reqs, windows, lambda r: self._limit(r, self.forced_draft_tokens))

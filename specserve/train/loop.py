@@ -1,10 +1,10 @@
 """The optimisation loop of `train-drafter`: AdamW, warmup + cosine, resumable at any step.
 
 A checkpoint (`<work>/<algorithm>[-ft]-checkpoint.pt`, -ft for a fine-tune; written atomically every
---checkpoint-every steps and every --checkpoint-minutes) holds the net, the optimizer, the step, the RNG state and the data
-position (epoch permutation seed + offset), so a resumed run continues the same data stream. With a
-held-out set, each checkpoint is also scored by the teacher-forced evaluator (= serving τ at T = 0,
-weights rounded to bf16 as the artifact stores them) and kept as a snapshot in
+--checkpoint-every steps and every --checkpoint-minutes) holds the net, the optimizer, the step, the RNG
+state and the data position (epoch permutation seed + offset), so a resumed run continues the same data
+stream. With a held-out set, each checkpoint is also scored by the teacher-forced evaluator (= serving τ
+at T = 0, weights rounded to bf16 as the artifact stores them) and kept as a snapshot in
 `<work>/<algorithm>[-ft]-snapshots/` — the log's (seen tokens, data tokens, held-out τ) rows are the
 scaling curve.
 """

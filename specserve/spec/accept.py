@@ -6,6 +6,8 @@ given; its children are deterministic) → the tree walk, greedy or sample-and-m
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..core import AcceptResult, Request
@@ -57,7 +59,7 @@ def all_finite(t: torch.Tensor) -> bool:
     if t.numel() == 0:
         return True
     lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())
 
 
 def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.Tensor | None, configured: str,

@@ -14,14 +14,14 @@ from typing import Callable
 
 import torch
 
-from ..engine.sampling import sample
+from ..engine.sampling import argmax_rows, sample
 from .tree import children_of
 
 
 def accept_greedy(logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
     """Temperature 0: p_i is one-hot at a_i = argmax. Accept while x_i == a_i; emit a_{n+1}.
     Draws no random numbers."""
-    a = logits.max(dim=-1).indices.tolist()  # the first maximum, as argmax; one pass, ~3x faster on CPU
+    a = argmax_rows(logits)
     n = 0
     while n < len(draft) and draft[n] == a[n]:
         n += 1
@@ -108,7 +108,7 @@ def walk_tree(dist: Callable[[int, list[int]], torch.Tensor], tokens: list[int],
     v, path, hist = -1, [], []
     while True:
         x = dist(v + 1, hist)
-        y = int(x.argmax()) if greedy else sample(x, gen)
+        y = argmax_rows(x[None])[0] if greedy else sample(x, gen)
         c = next((c for c in kids.get(v, ()) if tokens[c] == y), None)
         if c is None:
             return path, y

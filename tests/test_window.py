@@ -29,6 +29,18 @@ def test_free_verify_takes_full_windows() -> None:
     assert cost_windows([_req(5, 10), _req(0, 0)], [4, 3], flat)[0] == [4, 3]
 
 
+@pytest.mark.parametrize("gains", [[0.9, 0.8, 0.5, 0.1, 0.05], [0.3, 0.29, 0.28, 0.27, 0.26], [0.05, 0.04, 0.0, 0.0, 0.0]])
+@pytest.mark.parametrize("over", [0.0, 0.3])
+def test_one_request_gets_the_best_window_on_the_real_curve(gains: list[float], over: float) -> None:
+    """Batch 1: the window maximises expected tokens per second exactly, over every prefix of the curve
+    (which has a step: 5 tokens cost much more than 4, 6 hardly more than 5)."""
+    curve = CostModel([(1, 1.0), (2, 1.05), (4, 1.3), (5, 1.9), (6, 1.95)])
+    cum = [1 + sum(gains[:n]) for n in range(6)]
+    rate = [cum[n] / (curve(1 + n) + (over if n else 0.0)) for n in range(6)]
+    k, t = cost_windows([_req(0, 0)], [5], curve, per_request=over, gains=[gains])
+    assert k == [rate.index(max(rate))] and t == curve(1 + k[0])
+
+
 def test_poor_acceptance_and_linear_cost_choose_plain_decoding() -> None:
     linear = CostModel([(1, 1.0), (64, 64.0)])  # every verified token costs a full step
     assert cost_windows([_req(0, 50), _req(1, 40)], [4, 4], linear)[0] == [0, 0]

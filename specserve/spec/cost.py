@@ -211,7 +211,7 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
         return gains[b][j] if gains is not None else alphas[b] ** (j + 1)
 
     if len(reqs) == 1:  # NOTE: one request: every window scored on the real curve, exact and ~5x cheaper
-        best_k, best, best_t, tokens = 0, 0.0, step_time(cost, draft_step, 1, 0, 0), 1.0
+        tokens, best_k, best_t = 1.0, 0, step_time(cost, draft_step, 1, 0, 0)
         best = tokens / best_t
         for n in range(1, limits[0] + 1):
             tokens += gain(0, n - 1)

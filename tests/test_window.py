@@ -41,6 +41,25 @@ def test_one_request_gets_the_best_window_on_the_real_curve(gains: list[float], 
     assert k == [rate.index(max(rate))] and t == curve(1 + k[0])
 
 
+def test_accept_curves_chain_tree_and_nan() -> None:
+    """P(positions 1..i accepted): the running product of the clamped confidences along the chain, or along each
+    node's path in a tree; NaN (no score of its own) reads the request's acceptance estimate; no confidence at
+    all: α^i."""
+    import torch
+
+    from specserve.core import Proposal
+    from specserve.spec.policy import accept_curves
+
+    r = _req(3, 4)  # (3 + 4·0.5) / (4 + 4) = 0.625 with no pooled record
+    chain = Proposal(tokens=[[5, 6, 7, 8]], confidence=[torch.tensor([0.9, float("nan"), 1.5, -0.1])])
+    assert accept_curves([r], chain, [4])[0] == pytest.approx([0.9, 0.9 * 0.625, 0.9 * 0.625, 0.0])
+    assert accept_curves([r], chain, [2])[0] == pytest.approx([0.9, 0.9 * 0.625])
+    tree = Proposal(tokens=[[5, 6, 7, 8]], parents=[[-1, -1, 0, 2]], confidence=[torch.tensor([0.8, 0.5, 0.5, 0.4])])
+    assert accept_curves([r], tree, [4])[0] == pytest.approx([0.8, 0.5, 0.4, 0.16])
+    bare = Proposal(tokens=[[5, 6, 7]])
+    assert accept_curves([r], bare, [3])[0] == pytest.approx([0.625, 0.625**2, 0.625**3])
+
+
 def test_poor_acceptance_and_linear_cost_choose_plain_decoding() -> None:
     linear = CostModel([(1, 1.0), (64, 64.0)])  # every verified token costs a full step
     assert cost_windows([_req(0, 50), _req(1, 40)], [4, 4], linear)[0] == [0, 0]

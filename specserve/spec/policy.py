@@ -23,8 +23,6 @@ from abc import ABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
 from .. import kernels
 from ..config import EngineConfig
 from ..core import Proposal, Request, SpecStats
@@ -210,15 +208,18 @@ def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int],
         n = min(len(proposal.tokens[b]), windows[b])
         c = proposal.confidence[b] if proposal.confidence is not None else None
         par = proposal.parents[b] if proposal.parents is not None else None
-        if c is not None and bool(torch.isnan(c[:n]).any()):  # NaN: that token's source has no score of its own
-            c = torch.nan_to_num(c, nan=min(acceptance_estimate(r, pooled), 0.999))
-        if c is not None and len(c) >= n and par is not None:
+        if c is not None and len(c) >= n:
+            # NOTE: plain floats (a window is a few tokens: torch ops per step cost more than the arithmetic);
+            # the same double products as a cumprod in float64
+            xs = c[:n].tolist()
+            if any(x != x for x in xs):  # NaN: that token's source has no score of its own
+                fill = min(acceptance_estimate(r, pooled), 0.999)
+                xs = [fill if x != x else x for x in xs]
             v: list[float] = []
-            for i, x in enumerate(c[:n].double().clamp(0.0, 1.0).tolist()):
-                v.append(x * (v[par[i]] if par[i] >= 0 else 1.0))
+            for i, x in enumerate(xs):
+                prev = (v[par[i]] if par[i] >= 0 else 1.0) if par is not None else (v[-1] if v else 1.0)
+                v.append(min(max(x, 0.0), 1.0) * prev)
             out.append(v)
-        elif c is not None and len(c) >= n:
-            out.append(torch.cumprod(c[:n].double().clamp(0.0, 1.0), 0).tolist())
         else:
             a = min(acceptance_estimate(r, pooled), 0.999)
             out.append([a ** (i + 1) for i in range(n)])

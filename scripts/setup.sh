@@ -30,5 +30,5 @@ case " $* " in *" llamacpp "*)
 -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c) -DGGML_BMI2=$(has bmi2) \
 -DGGML_AVX_VNNI=$(has avx_vnni) -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VNNI=$(has avx512_vnni) \
 -DGGML_AVX512_BF16=$(has avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
-    pip install -q --no-deps "llama-cpp-python==0.3.36" ;;
+    pip install -q --no-deps --no-cache-dir "llama-cpp-python==0.3.36" ;;  # no cached wheel: CMAKE_ARGS apply
 esac

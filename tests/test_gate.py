@@ -18,10 +18,8 @@ def test_draft_gate_follows_the_faster_arm_and_keeps_exploring(draft_s: float, p
         gate.observe(4, "draft" if drafted else None, (draft_s if drafted else plain_s) * 4, 4)  # s/token of the arm
     assert decisions[:4] == ["explore", "explore", "closed", "closed"]  # warm-up: each arm measured first
     later = decisions[10:]
-    if expect_draft:  # open; plain decoding is measured again after every 4 drafting steps in a row
-        closed = [i for i, d in enumerate(later) if d == "closed"]
-        assert closed[0] < 5 and [b - a for a, b in zip(closed, closed[1:])] == [5] * (len(closed) - 1)
-        assert set(later) == {"closed", "open"}
+    if expect_draft:  # open; plain decoding is measured again every 5th step
+        assert later == ["closed" if s % 5 == 0 else "open" for s in range(11, 81)]
     else:  # closed; explored again after 5 steps, then 10, then every 20 (the cap)
         explored = [i for i, d in enumerate(decisions) if d == "explore"][2:]
         assert explored[0] == 8 and [b - a for a, b in zip(explored, explored[1:])] == [10, 20, 20, 20]
@@ -79,22 +77,8 @@ def test_draft_gate_judges_each_source_on_its_own() -> None:
             opened[s].append(allowed[s])
         arm = src if allowed[src] != "closed" else None
         gate.observe(1, arm, per_token[arm], 1)
-    later = {s: opened[s][10:] for s in opened}  # after warm-up
-    # pays: open, and never closed to re-measure plain decoding (the learned drafter's closed steps measure it)
-    assert later["lookup"] == ["open"] * len(later["lookup"])
+    later = {s: opened[s][10:] for s in opened}  # after warm-up; every 5th step of a source flips
+    assert later["lookup"].count("open") == len(later["lookup"]) - len(later["lookup"]) // 5  # pays: open
     explored = [i for i, d in enumerate(opened["learned"]) if d == "explore"][4:]  # after its warm-up
     assert explored == [10, 20, 40]  # does not pay: explored again at doubling intervals
     assert later["learned"].count("closed") == len(later["learned"]) - 3
-
-
-def test_draft_gate_needs_no_forced_plain_steps_when_some_steps_draft_nothing() -> None:
-    """Steps that drafted nothing anyway (no lookup match, no confident table entry) measure plain decoding:
-    an open gate then never closes a step itself."""
-    gate = DraftGate(warmup=2, explore=5)
-    decisions = []
-    for i in range(80):
-        d = gate.allow(1)
-        decisions.append(d)
-        natural_plain = i % 4 == 3  # the policy planned no drafts for this step
-        gate.observe(1, None if d == "closed" or natural_plain else "draft", 0.002 if d != "closed" else 0.0035, 1)
-    assert decisions[10:] == ["open"] * 70

@@ -52,8 +52,7 @@ class DraftGate:
     (a drafter's `sources`: HYBRID has a free prompt lookup and a learned drafter that costs a forward),
     seconds per emitted token (Arm) over decode steps whose costliest drafting source was that one, and over
     steps that did not draft. Once both are measured, a source may draft unless it measures slower than plain
-    decoding by more than `z` standard errors, and plain decoding is measured again whenever `explore` steps in a
-    row drafted (NOTE: steps are noisy, a drafting step emits 1..k+1 tokens, and a
+    decoding by more than `z` standard errors (NOTE: steps are noisy, a drafting step emits 1..k+1 tokens, and a
     source's worth moves from request to request; a gate that closed on the bare comparison shut NGRAM's table
     drafts at batch 1 where they paid: 1.13x plain; z = 1: 1.15x; z = 2: 1.18x, parity at batch 8 and 16 kept);
     its closed arm is re-tried after `explore` steps of that bucket, then at
@@ -68,15 +67,14 @@ class DraftGate:
     max_explore: int = 320
     decay: float = 0.9
     z: float = 2.0
-    stats: dict = field(default_factory=dict)  # bucket → {"plain": Arm, source: Arm, "wait", "drafting"}
+    stats: dict = field(default_factory=dict)  # bucket → {"plain": Arm, source: Arm, "steps", "wait"}
 
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(0, batch - 1).bit_length()
 
     def _bucket(self, batch: int) -> dict:
-        # "drafting": steps in a row of this bucket that drafted (since its last plain step)
-        return self.stats.setdefault(self.bucket(batch), {"plain": Arm(), "wait": {}, "drafting": 0})
+        return self.stats.setdefault(self.bucket(batch), {"plain": Arm(), "steps": {}, "wait": {}})
 
     def allow(self, batch: int, source: str = "draft") -> str:
         """"open" (the cost model plans the windows), "closed" (no drafts from this source), or "explore"
@@ -86,6 +84,7 @@ class DraftGate:
         tokens a step, each such step costing ~4 plain ones."""
         st = self._bucket(batch)
         arm = st.setdefault(source, Arm())
+        step = st["steps"][source] = st["steps"].get(source, 0) + 1
         measured = arm.n >= self.warmup
         wait = st["wait"]  # source → [steps since its last exploration, the current interval]
         if not measured:
@@ -97,10 +96,7 @@ class DraftGate:
             return "closed"
         if measured and not arm.loses_to(st["plain"], self.z):
             wait[source] = [0, self.explore]
-            # NOTE: plain decoding is re-measured only when no step of this bucket went without drafts for
-            # `explore` steps: at batch 1 a quarter of the steps draft nothing anyway (no lookup match, no
-            # confident table entry), and closing every `explore`-th step regardless cost ~1.5% there
-            return "closed" if st["drafting"] >= self.explore - 1 else "open"
+            return "closed" if step % self.explore == 0 else "open"
         # NOTE: a closed source is explored after `explore` steps, then twice as long each time it still loses
         # (up to max_explore): exploring a learned drafter that does not pay costs several decode steps (its
         # forward and catch-up; measured ~4x a step for the shipped DSpark on SmolLM2 w4a8)
@@ -128,6 +124,4 @@ class DraftGate:
 
     def observe(self, batch: int, source: str | None, seconds: float, tokens: int) -> None:
         """One decode step: `source` = the costliest source that drafted, None = nobody drafted."""
-        st = self._bucket(batch)
-        st["drafting"] = st["drafting"] + 1 if source else 0
-        st.setdefault(source or "plain", Arm()).add(seconds, max(tokens, 1), self.decay)
+        self._bucket(batch).setdefault(source or "plain", Arm()).add(seconds, max(tokens, 1), self.decay)

@@ -216,8 +216,8 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
         for n in range(1, limits[0] + 1):
             tokens += gain(0, n - 1)
             t = step_time(cost, draft_step, 1 + n, 1, n)
-            if tokens / (t + over[0]) > best:
-                best_k, best, best_t = n, tokens / (t + over[0]), t
+            if (ratio := tokens / (t + over[0])) > best:
+                best_k, best, best_t = n, ratio, t
         return [best_k], best_t
 
     def plan(curve: CostModel, order: list[int] | None) -> tuple[list[int], list[int], float]:

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specserve.config import EngineConfig
 
 from specserve import LLM, SamplingParams
-from specserve.core import Request
+from specserve.core import Proposal, Request
 from specserve.spec.cost import CostModel, DraftCost, cost_windows
 from specserve.spec.gate import DraftGate
+from specserve.spec.policy import accept_curves
 
 from .tiny import reference_greedy, tiny_model
 
@@ -45,11 +47,6 @@ def test_accept_curves_chain_tree_and_nan() -> None:
     """P(positions 1..i accepted): the running product of the clamped confidences along the chain, or along each
     node's path in a tree; NaN (no score of its own) reads the request's acceptance estimate; no confidence at
     all: α^i."""
-    import torch
-
-    from specserve.core import Proposal
-    from specserve.spec.policy import accept_curves
-
     r = _req(3, 4)  # (3 + 4·0.5) / (4 + 4) = 0.625 with no pooled record
     chain = Proposal(tokens=[[5, 6, 7, 8]], confidence=[torch.tensor([0.9, float("nan"), 1.5, -0.1])])
     assert accept_curves([r], chain, [4])[0] == pytest.approx([0.9, 0.9 * 0.625, 0.9 * 0.625, 0.0])

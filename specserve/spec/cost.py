@@ -196,7 +196,7 @@ def step_time(cost: CostModel, draft_step: CostModel | None, n_tokens: int, acti
 def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_step: CostModel | None = None,
                  per_request: float | list[float] = 0.0, gains: list[list[float]] | None = None,
                  pooled: dict[str, list[int]] | None = None) -> tuple[list[int], float]:
-    """Greedy maximisation of expected tokens per second (module docstring). With `draft_step`
+    """Greedy maximisation of expected tokens per second (module docstring; exact for one request). With `draft_step`
     (a model drafter's forward time over m tokens), a step also pays draft_step(#drafting) for each
     draft position up to the longest window, since model drafters draft position by position;
     `per_request` (DraftCost: one value, or one per request) is charged for every drafting request.
@@ -205,7 +205,6 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
     Returns the windows and the curves' predicted step time for them (without `per_request`)."""
     alphas = [min(acceptance_estimate(r, pooled), 0.999) for r in reqs]
     over = per_request if isinstance(per_request, list) else [per_request] * len(reqs)
-    guide = cost.hull
 
     def gain(b: int, j: int) -> float:
         return gains[b][j] if gains is not None else alphas[b] ** (j + 1)
@@ -260,6 +259,6 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
     # hardly more than 9), so one more position can look worse than none while eight more pay. The greedy
     # follows the curve's lower convex hull (an optimistic guide), then the best prefix of what it added is
     # chosen on the real curve.
-    order, _, _ = plan(guide, None)
+    order, _, _ = plan(cost.hull, None)
     _, k, t = plan(cost, order)
     return k, t

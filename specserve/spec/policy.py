@@ -19,6 +19,7 @@ A new policy: a subclass here with `@register_policy`, and its name in config.WI
 """
 from __future__ import annotations
 
+import math
 from abc import ABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -212,9 +213,9 @@ def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int],
             # NOTE: plain floats (a window is a few tokens: torch ops per step cost more than the arithmetic);
             # the same double products as a cumprod in float64
             xs = c[:n].tolist()
-            if any(x != x for x in xs):  # NaN: that token's source has no score of its own
+            if any(map(math.isnan, xs)):  # NaN: that token's source has no score of its own
                 fill = min(acceptance_estimate(r, pooled), 0.999)
-                xs = [fill if x != x else x for x in xs]
+                xs = [fill if math.isnan(x) else x for x in xs]
             v: list[float] = []
             for i, x in enumerate(xs):
                 prev = (v[par[i]] if par[i] >= 0 else 1.0) if par is not None else (v[-1] if v else 1.0)

@@ -184,16 +184,16 @@ def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.Monke
     assert runner.kv.allocator.num_free == runner.kv.allocator.num_pages  # measuring leaks no pages
     t1 = first(1)
 
-    def check_only(runner, sizes=None, **k):  # noqa: ANN001, ANN202 - the start-up check times t(1) alone
-        assert sizes == (1,), "measured twice"
-        return CostModel([(1, t1 * 1.2), (2, t1 * 1.3)])  # within STALE of the cached t(1)
+    def check_only(runner, sizes=None, **k):  # noqa: ANN001, ANN202 - the start-up check times t(1) and t(5)
+        assert sizes == (1, 5), "measured twice"
+        return CostModel([(1, t1 * 1.2), (5, first(5) * 0.8)])  # both within STALE of the cached curve
 
     monkeypatch.setattr(CostModel, "measure", staticmethod(check_only))
     assert CostModel.cached(runner, "tiny", cache_dir=tmp_path).points == first.points
 
 
 def test_a_stale_cached_curve_is_measured_again(tmp_path) -> None:  # noqa: ANN001
-    """A cached curve whose t(1) is far from a fresh timing (measured on a loaded machine) is replaced."""
+    """A cached curve whose t(1) or t(5) is far from a fresh timing (measured on a loaded machine) is replaced."""
     import json
 
     from specserve.cache.kv_pool import KVPool
@@ -206,6 +206,10 @@ def test_a_stale_cached_curve_is_measured_again(tmp_path) -> None:  # noqa: ANN0
     path.write_text(json.dumps([[n, 40 * t] for n, t in first.points]))  # 40x too slow
     again = CostModel.cached(runner, "tiny", cache_dir=tmp_path)
     assert again(1) < 10 * first(1) and json.loads(path.read_text()) == [list(p) for p in again.points]
+    # right t(1), but a verify of 4 drafts 3x too dear (measured while the machine was busy): also replaced
+    path.write_text(json.dumps([[n, t if n == 1 else 3 * t] for n, t in again.points]))
+    third = CostModel.cached(runner, "tiny", cache_dir=tmp_path)
+    assert third(5) < 2 * again(5) and json.loads(path.read_text()) == [list(p) for p in third.points]
 
 
 def test_cost_curve_ignores_a_stall_and_never_decreases(monkeypatch: pytest.MonkeyPatch) -> None:

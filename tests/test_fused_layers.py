@@ -88,6 +88,32 @@ def test_attention_batch_invariant(dtype: torch.dtype) -> None:
             assert torch.equal(fused.attention(qb[i: i + 1], dec, kc, vc)[0], together[starts[b] + i])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_layouts_bit_identical(dtype: torch.dtype) -> None:
+    """The pool is head-major ([kv_heads, slots, hd] behind a [slots, kv_heads, hd] view, KVPool): RoPE + KV
+    write and attention give the same bits as on slot-major storage; K and V of different layouts are refused."""
+    windows, ctx = [3, 0, 6], [5, 9, 2]
+    fb = _ragged(windows, ctx)
+    g = torch.Generator().manual_seed(3)
+    T, H, KVH, hd = fb.num_tokens, 4, 2, 16
+    q, k, v = (torch.randn(T, n, hd, generator=g).to(dtype) for n in (H, KVH, KVH))
+    pos = torch.arange(64)[:, None].to(torch.float64) * torch.arange(1, hd + 1).to(torch.float64) / hd
+    cos, sin = pos.cos().to(dtype), pos.sin().to(dtype)
+    outs = []
+    for head_major in (False, True):
+        kc, vc = _pool(dtype)
+        if head_major:
+            kc, vc = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (kc, vc))
+        qr = q.clone()
+        torch.ops.specserve.rope_kv_write(qr, k, v, cos, sin, fb.positions, kc, vc, fb.slot_mapping)
+        outs.append((qr, kc.contiguous(), vc.contiguous(), fused.attention(qr, fb, kc, vc)))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    kc, vc = _pool(dtype)
+    with pytest.raises(RuntimeError, match="one layout"):
+        fused.attention(q, fb, kc, vc.transpose(0, 1).contiguous().transpose(0, 1))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_attention_isolates_bad_kv(bad: float) -> None:
     """Request 1's K/V rows poisoned: the other requests' outputs are unchanged and finite."""

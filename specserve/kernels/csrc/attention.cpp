@@ -177,7 +177,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& mask_start,
                            bool causal, int64_t window, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.stride(2) == 1, "paged_attention: q [T, H, D], cache [S, KVH, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: contiguous KV pool");
+  // NOTE: any slot and head strides (the pool is head-major: each kv head's slots are contiguous), the same for K and V
+  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.strides() == v_cache.strides() && k_cache.sizes() == v_cache.sizes(),
+              "paged_attention: K and V pools of one layout, head dim contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_attention: q and cache dtypes differ");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads not a multiple of kv heads");
   // the index tensors are already contiguous int64 in the engine: no copy, no extra op then

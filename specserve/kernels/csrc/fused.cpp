@@ -140,10 +140,11 @@ void rope_kv_write(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
                    const at::Tensor& sin, const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
                    const at::Tensor& slots_) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "rope_kv_write: head dim must be contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
-              "rope_kv_write: contiguous tables and pool");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous(),
+              "rope_kv_write: contiguous tables, pool head dim contiguous");
   at::Tensor pos = positions.contiguous().to(at::kLong), slots = slots_.contiguous().to(at::kLong);
   const int64_t T = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2), h2 = D / 2;
+  const int64_t kc0 = k_cache.stride(0), kc1 = k_cache.stride(1), vc0 = v_cache.stride(0), vc1 = v_cache.stride(1);
   TORCH_CHECK(D <= 1024 && D % 2 == 0, "rope_kv_write: head dim must be even and <= 1024");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rope_kv_write", [&] {
     using S = scalar_t;
@@ -170,9 +171,9 @@ void rope_kv_write(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
           std::copy(tmp, tmp + D, x);
         }
         for (int64_t h = 0; h < KVH; ++h) {
-          rot(kd + r * k.stride(0) + h * k.stride(1), kc + (sl[r] * KVH + h) * D, c, s);
+          rot(kd + r * k.stride(0) + h * k.stride(1), kc + sl[r] * kc0 + h * kc1, c, s);
           std::copy(vd + r * v.stride(0) + h * v.stride(1), vd + r * v.stride(0) + h * v.stride(1) + D,
-                    vc + (sl[r] * KVH + h) * D);
+                    vc + sl[r] * vc0 + h * vc1);
         }
       }
     });

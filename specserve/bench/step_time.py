@@ -1,6 +1,6 @@
 """`specserve bench step`: where the time of one target forward goes, at batch 1.
 
-For a decode step (1 new token) and a verify step (T new tokens, default 8) over a committed context,
+For a decode step (1 new token) and a verify step (T new tokens, default 8) over each committed context,
 per mode (--dtype / --quantization, one mode per run): median wall time, and from one torch.profiler
 pass the self time of the ops by kind (matmuls, attention, norms/RoPE/glue), the time outside any op
 (Python and dispatch overhead: wall − Σ op self time) and the op count per step and per layer.
@@ -24,7 +24,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     from ..config import add_engine_args
 
     p.add_argument("model", nargs="?", default=None, help="target (default smollm2-135m)")
-    p.add_argument("--context", type=int, default=256, help="committed tokens before the step")
+    p.add_argument("--context", type=int, nargs="+", default=[256],
+                   help="committed tokens before the step (several: one decode and one verify step each)")
     p.add_argument("--verify-tokens", type=int, default=8, help="T of the verify step")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--output", default=None, help="JSON result path (default bench/results/step-<time>.json)")
@@ -109,14 +110,17 @@ def run(a: argparse.Namespace) -> dict:
     fn()
     engine.kv.release(pt)
     first_s = time.perf_counter() - t0
-    results = {"load_s": load_s, "first_forward_s": first_s, "machine": machine()}
-    for name, n in (("decode", 1), (f"verify{a.verify_tokens}", a.verify_tokens)):
-        r = measure(engine, n, a.context, a.repeats)
-        results[name] = r
-        print(f"{name:9s} {r['ms']:7.2f} ms  ops {r['ops']:5d} ({r['ops_per_layer']}/layer)  "
-              f"self {r['self_ms']}  outside ops {r['outside_ops_ms']} ms (profiled {r['profiled_ms']:.1f} ms)")
-    d, v = results["decode"]["ms"], results[f"verify{a.verify_tokens}"]["ms"]
-    results["verify_over_decode"] = v / d
-    print(f"t({a.verify_tokens})/t(1) = {v / d:.2f}; load {load_s:.1f} s, first forward {first_s:.2f} s; {results['machine']}")
+    results: dict = {"load_s": load_s, "first_forward_s": first_s, "machine": machine(), "contexts": {}}
+    for ctx in a.context:
+        row: dict = {}
+        for name, n in (("decode", 1), (f"verify{a.verify_tokens}", a.verify_tokens)):
+            r = row[name] = measure(engine, n, ctx, a.repeats)
+            print(f"context {ctx:5d} {name:9s} {r['ms']:7.2f} ms  ops {r['ops']:5d} ({r['ops_per_layer']}/layer)  "
+                  f"self {r['self_ms']}  outside ops {r['outside_ops_ms']} ms (profiled {r['profiled_ms']:.1f} ms)")
+        d, v = row["decode"]["ms"], row[f"verify{a.verify_tokens}"]["ms"]
+        row["verify_over_decode"] = v / d
+        results["contexts"][str(ctx)] = row
+        print(f"context {ctx:5d} t({a.verify_tokens})/t(1) = {v / d:.2f}")
+    print(f"load {load_s:.1f} s, first forward {first_s:.2f} s; {results['machine']}")
     print(f"wrote {record('step', a, results)}")
     return results

@@ -34,6 +34,9 @@ class EngineConfig:
                                   "w8a8 = the same with 8-bit weights; int4 = torch's weight-only 4-bit kernel",
                                   ("int4", "w4a8", "w8a8", "none"))
     kv_cache_memory: str = _f("1GiB", "KV pool budget: a size (2GiB, 512MB) or a fraction of RAM (0.2)")
+    kv_cache_dtype: str = _f("auto", "target KV cache dtype: auto = the model's; bfloat16 under a float32 model (e.g. "
+                             "w4a8) halves the bytes attention reads per context token (K/V rounded once when written)",
+                             ("auto", "float32", "bfloat16"))
     page_size: int = _f(16, "tokens per KV page")
     max_model_len: int | None = _f(None, "max prompt + output tokens (default: the model's context)")
     max_prefill_tokens: int = _f(2048, "prefill tokens per step (longer prompts are chunked)")

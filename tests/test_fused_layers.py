@@ -199,6 +199,43 @@ def test_attention_builds_bit_identical(dtype: torch.dtype, hd: int, monkeypatch
                                    atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def test_bf16_pool_under_fp32_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kv-cache-dtype bfloat16 under a float32 model: rope_kv_write stores K/V rounded to nearest even (as
+    torch's .to(bfloat16)), and attention over the bf16 pool gives the bits of attention over the same values
+    widened to float32 (widening is exact; the arithmetic is the same), in every build; the pure-torch
+    reference agrees within fp32 tolerance."""
+    g = torch.Generator().manual_seed(5)
+    windows, ctx = [0, 16, 7, 1], [130, 9, 2, 45]
+    toks = [[1] * (w + 1) for w in windows]
+    cls = [list(range(200 * b + 3, 200 * b + 3 + c + w + 1)) for b, (c, w) in enumerate(zip(ctx, windows))]
+    fb = build_forward_batch(toks, ctx, [cl[c:] for cl, c in zip(cls, ctx)], cls, None)
+    T, hd = fb.num_tokens, 64
+    q, k, v = (torch.randn(T, n, hd, generator=g) * 3 for n in (9, 3, 3))
+    pos = torch.arange(512)[:, None].double() * torch.arange(1, hd + 1).double() / hd
+    cos, sin = pos.cos().float(), pos.sin().float()
+    pools = {dt: tuple(torch.randn(800, 3, hd, generator=torch.Generator().manual_seed(6)).to(dt) for _ in range(2))
+             for dt in (torch.float32, torch.bfloat16)}
+    qs = {}
+    for dt, (kc, vc) in pools.items():
+        qs[dt] = q.clone()
+        torch.ops.specserve.rope_kv_write(qs[dt], k, v, cos, sin, fb.positions, kc, vc, fb.slot_mapping)
+    assert torch.equal(qs[torch.float32], qs[torch.bfloat16])
+    slots = fb.slot_mapping.long()
+    for f32, b16 in zip(pools[torch.float32], pools[torch.bfloat16]):
+        assert torch.equal(f32[slots].to(torch.bfloat16), b16[slots])
+    kc, vc = pools[torch.bfloat16]
+    outs = []
+    for impl in ("avx512", "avx2", "portable"):
+        monkeypatch.setenv("SPECSERVE_ATTN_IMPL", impl)
+        outs.append(fused.attention(qs[torch.float32], fb, kc, vc))
+        assert outs[-1].dtype == torch.float32
+        assert torch.equal(outs[-1], fused.attention(qs[torch.float32], fb, kc.float(), vc.float()))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0], reference_attention(qs[torch.float32], fb, kc, vc), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="bfloat16 under float32"):  # the only mixed pair
+        fused.attention(qs[torch.float32].double(), fb, kc, vc)
+
+
 @pytest.mark.parametrize("mode", ["w4a8", "w8a8"])
 def test_cpp_layer_loop_bit_identical_to_python_loop(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The C++ layer loop (decoder_layers) runs the Python fused loop's ops in its order: logits and captured

@@ -71,3 +71,18 @@ def test_quantized_gguf_is_served_w4a8_by_default(tmp_path) -> None:  # noqa: AN
     llm = LLM("smollm2-135m", speculative_algorithm="NONE")  # what `serve`/`generate`/`LLM(...)` get
     assert llm.config.quantization == "w4a8" and isinstance(llm.engine.model.layers[0].qkv_w, BlockQuantWeight)
     assert LLM("smollm2-135m", dtype="float32", speculative_algorithm="NONE").config.quantization is None
+
+
+def test_bf16_kv_cache_lossless_and_batch_invariant(w4a8: LLM) -> None:
+    """--kv-cache-dtype bfloat16 (w4a8): the pool is bf16, speculation equals plain decoding, a request's tokens do
+    not depend on its batch; a pool dtype the model cannot take is refused naming the flag."""
+    m, tok = w4a8.engine.model, w4a8.engine.tokenizer
+    plain = LLM.from_model(m, tokenizer=tok, kv_cache_dtype="bfloat16", speculative_algorithm="NONE")
+    spec = LLM.from_model(m, tokenizer=tok, kv_cache_dtype="bfloat16", speculative_algorithm="NGRAM",
+                          speculative_num_draft_tokens=5)
+    assert plain.engine.kv.k[0].dtype == torch.bfloat16 and plain.engine.kv.k[0].stride(0) == m.cfg.head_dim
+    together = [o.token_ids for o in plain.generate(PROMPTS, SP)]
+    assert together == [plain.generate([p], SP)[0].token_ids for p in PROMPTS]
+    assert together == [o.token_ids for o in spec.generate(PROMPTS, SP)]
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32"):
+        LLM("smollm2-135m", dtype="bfloat16", kv_cache_dtype="float32")

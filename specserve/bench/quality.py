@@ -17,7 +17,8 @@ import torch
 
 from .common import record
 
-MODES = ("float32", "bfloat16", "int4-bf16", "int4", "w4a8", "w8a8")  # int4-bf16: int4 as --dtype auto ran it
+# int4-bf16: int4 as --dtype auto ran it; -kvbf16: that mode with --kv-cache-dtype bfloat16
+MODES = ("float32", "bfloat16", "int4-bf16", "int4", "w4a8", "w8a8", "float32-kvbf16", "w4a8-kvbf16")
 
 
 def held_out_text(tokenizer, n_tokens: int = 1024) -> list[int]:  # noqa: ANN001
@@ -42,12 +43,12 @@ def held_out_text(tokenizer, n_tokens: int = 1024) -> list[int]:  # noqa: ANN001
 
 
 @torch.no_grad()
-def teacher_forced_logits(model, ids: list[int], chunk: int = 256) -> torch.Tensor:  # noqa: ANN001
+def teacher_forced_logits(model, ids: list[int], chunk: int = 256, kv_dtype: torch.dtype | None = None) -> torch.Tensor:  # noqa: ANN001
     """Logits [len(ids), V] (fp32) of one sequence, fed in chunks through the paged forward."""
     from ..cache.kv_pool import KVPool
     from ..engine.runner import ModelRunner
 
-    kv = KVPool(model.cfg, num_pages=(len(ids) + 15) // 16, page_size=16, dtype=model.dtype)
+    kv = KVPool(model.cfg, num_pages=(len(ids) + 15) // 16, page_size=16, dtype=kv_dtype or model.dtype)
     pt: list[int] = []
     kv.ensure(pt, len(ids))
     runner, out = ModelRunner(model, kv), []
@@ -68,6 +69,7 @@ def compare(ref: torch.Tensor, logits: torch.Tensor, ids: list[int]) -> dict[str
 def build(model_name: str, mode: str):  # noqa: ANN201
     from ..models import build_model
 
+    mode = mode.removesuffix("-kvbf16")
     dtype = torch.bfloat16 if mode.endswith("bfloat16") or mode.endswith("bf16") else torch.float32
     return build_model(model_name, dtype, None if mode in ("float32", "bfloat16") else mode.split("-")[0])
 
@@ -90,7 +92,8 @@ def run(a: argparse.Namespace) -> None:
     rows = []
     for mode in a.modes:
         model, _ = build(a.model, mode)
-        r = {"mode": mode, **compare(ref, teacher_forced_logits(model, ids), ids)}
+        kv = torch.bfloat16 if mode.endswith("-kvbf16") else None
+        r = {"mode": mode, **compare(ref, teacher_forced_logits(model, ids, kv_dtype=kv), ids)}
         rows.append(r)
         print(f"{mode:9s} agreement {r['agreement']:.4f}  ppl {r['ppl']:.3f}", flush=True)
     print("wrote", record("quality", a, rows, {"tokens": len(ids)}))

@@ -81,9 +81,9 @@ class TPDriver:
             self.failed = f"tensor-parallel collective failed: {type(e).__name__}: {e}"
         return FatalEngineError(self.failed)
 
-    def kv_pool(self, pages: int) -> KVPool:
-        self.send("init", pages=pages)
-        return _TPKVPool(self, self.model.cfg, pages, self.config.page_size, self.model.dtype)
+    def kv_pool(self, pages: int, dtype: torch.dtype) -> KVPool:
+        self.send("init", pages=pages, dtype=dtype)
+        return _TPKVPool(self, self.model.cfg, pages, self.config.page_size, dtype)
 
     def runner(self, kv: KVPool) -> ModelRunner:
         return _TPRunner(self, kv)

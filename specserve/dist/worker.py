@@ -73,7 +73,7 @@ def serve_rank(config: EngineConfig, rank: int) -> None:
     model = build_shard(config, rank)
     cmd, args = receive()
     assert cmd == "init", cmd
-    kv = KVPool(model.cfg, args["pages"], config.page_size, model.dtype)
+    kv = KVPool(model.cfg, args["pages"], config.page_size, args["dtype"])
     runner = ModelRunner(model, kv)
     while True:
         cmd, args = receive()

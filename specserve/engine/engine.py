@@ -30,7 +30,7 @@ from ..drafters.base import Drafter, create_drafter
 from ..drafters.context import DrafterContext, KVBudget
 from ..dist import start_tensor_parallel
 from ..grammar.backend import GrammarCompiler, GrammarSpec, Matcher
-from ..models import LlamaModel, build_model, default_quantization, resolve_dtype
+from ..models import LlamaModel, build_model, default_quantization, resolve_dtype, resolve_kv_dtype
 from ..spec.accept import accept_request
 from ..spec.grammar import cut_to_grammar, forced_drafts, with_forced
 from ..spec.commit import AdvanceKV, CommitStage, CommitState, Committed, DraftState, Emit, KeepPath
@@ -60,7 +60,8 @@ class Engine:
         mcfg = model.cfg
         self.config = config = resolve_config(config, mcfg)  # AUTO and the default window made concrete
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        budget = KVBudget(parse_memory(config.kv_cache_memory), mcfg, self.dtype, config.page_size)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        budget = KVBudget(parse_memory(config.kv_cache_memory), mcfg, self.kv_dtype, config.page_size)
         # hybrid targets: one recurrent-state slot per request that may run, reserved before any KV
         self.states = budget.state_pool(mcfg, self.dtype, config.max_running_requests) if mcfg.is_hybrid else None
         self.policy = make_policy(config.speculative_window if config.speculative_algorithm else "fixed", config)
@@ -71,14 +72,14 @@ class Engine:
         self.tp = start_tensor_parallel(config, mcfg) if config.tp_size > 1 else None
         # NOTE: under TP each rank's pool holds its KV heads only; rank 0's shard is the largest
         kv_cfg = self.tp.model.cfg if self.tp else mcfg
-        pages = KVPool.pages_for_budget(kv_cfg, budget.remaining, config.page_size, self.dtype)
+        pages = KVPool.pages_for_budget(kv_cfg, budget.remaining, config.page_size, self.kv_dtype)
         if pages < 1:
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory!r} is too small for one KV page of this model")
         if self.tp:
-            self.kv = self.tp.kv_pool(pages)
+            self.kv = self.tp.kv_pool(pages, self.kv_dtype)
             self.runner = self.tp.runner(self.kv)
         else:
-            self.kv = KVPool(mcfg, pages, config.page_size, self.dtype)
+            self.kv = KVPool(mcfg, pages, config.page_size, self.kv_dtype)
             self.runner = ModelRunner(model, self.kv, self.states)
         # target layers whose hidden states the drafter consumes; () = capture nothing
         self.aux_layers: tuple[int, ...] = self.drafter.aux_layers if self.drafter else ()

@@ -18,6 +18,17 @@ def resolve_dtype(name: str, quantization: str | None = None) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype → the target KV pool's dtype: auto = the model's; bfloat16 under a float32 model halves
+    the bytes attention streams per context token (values rounded to nearest even once, when written)."""
+    if name == "auto" or _DTYPES[name] == dtype:
+        return dtype
+    if _DTYPES[name] == torch.bfloat16 and dtype == torch.float32:
+        return torch.bfloat16
+    raise ValueError(f"--kv-cache-dtype {name}: the KV pool takes the model's dtype ({str(dtype).removeprefix('torch.')}), "
+                     "or bfloat16 under a float32 model")
+
+
 def default_quantization(name_or_path: str, dtype: str, quantization: str | None) -> str | None:
     """--quantization as given ("none" = unquantized); unset with --dtype auto, a GGUF that stores its
     projections in 4-bit blocks (Q4_*) is served in w4a8, one in 8-bit blocks (Q8_0) in w8a8: the file's

@@ -54,8 +54,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: Forwa
     Writes k/v at fb.slot_mapping, then attends over each request's context slots. Fused (ragged,
     C++) when the extension is on, else the padded pure-torch reference below."""
     # NOTE: new K/V land in the pool first; the context read below includes them.
-    k_cache.index_copy_(0, fb.slot_mapping, k)
-    v_cache.index_copy_(0, fb.slot_mapping, v)
+    k_cache.index_copy_(0, fb.slot_mapping, k.to(k_cache.dtype))  # a bf16 pool under fp32: rounded once, here
+    v_cache.index_copy_(0, fb.slot_mapping, v.to(v_cache.dtype))
     if fused.enabled():
         return fused.attention(q, fb, k_cache, v_cache)
     return reference_attention(q, fb, k_cache, v_cache)
@@ -74,6 +74,7 @@ def reference_attention(q: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor
     else:
         kc = k_cache[pd.ctx_slots].transpose(1, 2)  # [B, KVH, L, hd]
         vc = v_cache[pd.ctx_slots].transpose(1, 2)
+    kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # a bf16 pool under fp32 queries: widened exactly
     o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=pd.attn_mask, enable_gqa=nq != k_cache.shape[1])
     o = o.transpose(1, 2)
     return o.reshape(T, -1) if uq else o[pd.q_valid].reshape(T, -1)  # back to packed order

@@ -144,7 +144,9 @@ class CostPolicy(WindowPolicy):
         tp = f"-tp{m.tp.world}" if getattr(m, "tp", None) else ""  # a shard's step costs differ from the whole model's
         # NOTE: curves measured with other kernels (an edited checkout) are stale: the sources' digest is in the key
         kern = f"-k{kernels.source_digest()[:8]}" if fused.enabled() else ""
-        return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}{tp}{kern}")
+        kv = runner.kv.k[0].dtype if runner.kv.k else m.dtype
+        kvd = f"-kv{kv}" if kv != m.dtype else ""  # a bf16 KV pool steps faster at long contexts
+        return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}{kvd}{tp}{kern}")
 
     def bind(self, runner: "ModelRunner", drafter: "Drafter", stats: SpecStats) -> None:
         super().bind(runner, drafter, stats)

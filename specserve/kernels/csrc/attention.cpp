@@ -34,12 +34,12 @@ template <typename T, typename F> SS_INLINE F dot16(const F* q, const T* k, int6
 }
 
 // The portable item: each (row, head) alone, in the order of attention_math.h.
-template <typename T, typename F>
-SS_INLINE int64_t item_portable(const Args<T>& a, const Rows& w, const F* qf, F* sc, F* acc,
+template <typename T, typename C, typename F>
+SS_INLINE int64_t item_portable(const Args<T, C>& a, const Rows& w, const F* qf, F* sc, F* acc,
                       const uint32_t* vis, int64_t nch, int64_t j00) {
   const int64_t D = a.D, G = w.Gn;
   int64_t dots = 0;
-  auto row = [&](const T* base, int64_t j) { return base + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1; };
+  auto row = [&](const C* base, int64_t j) { return base + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1; };
   for (int64_t i = 0; i < w.R; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const F* q = qf + (i * G + g) * D;
@@ -57,7 +57,7 @@ SS_INLINE int64_t item_portable(const Args<T>& a, const Rows& w, const F* qf, F*
           const int64_t k = 16 * ch + __builtin_ctz(b);
           const F e = exp_poly(sc[k] - mx);
           lane[k & 15] = lane[k & 15] + e;
-          const T* v = row(a.vd, j00 + k);
+          const C* v = row(a.vd, j00 + k);
           for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(e, static_cast<F>(v[d]), acc[d]);
         }
       const F s = tree16(lane), inv = s > 0 ? F(1) / s : F(0);  // no visible key: zeros, never 0/0
@@ -76,10 +76,10 @@ template <typename F> std::vector<F>& scratch() {  // per thread, grown once, re
 // compiled for AVX2+FMA (auto-vectorized, fma inline), or the AVX-512 item. All three give the same bits.
 enum Impl { PORTABLE, AVX2, AVX512 };
 
-template <typename T, typename F, typename... A> int64_t item_portable_base(A... args) { return item_portable<T, F>(args...); }
+template <typename T, typename C, typename F, typename... A> int64_t item_portable_base(A... args) { return item_portable<T, C, F>(args...); }
 #if defined(__x86_64__)
-template <typename T, typename F, typename... A>
-__attribute__((target("avx2,fma"))) int64_t item_portable_avx2(A... args) { return item_portable<T, F>(args...); }
+template <typename T, typename C, typename F, typename... A>
+__attribute__((target("avx2,fma"))) int64_t item_portable_avx2(A... args) { return item_portable<T, C, F>(args...); }
 #endif
 
 Impl best_impl() {  // the CPU's best, lowered by SPECSERVE_ATTN_IMPL=portable|avx2 (read at call time: tests)
@@ -99,8 +99,8 @@ Impl best_impl() {  // the CPU's best, lowered by SPECSERVE_ATTN_IMPL=portable|a
 
 struct Work { int64_t b, r0, r1, kvh, g0, g1; };  // one work item (see Rows)
 
-template <typename T>
-int64_t item(const Args<T>& a, const Work& wk, Impl impl) {
+template <typename T, typename C>
+int64_t item(const Args<T, C>& a, const Work& wk, Impl impl) {
   using F = typename Acc<T>::type;
   const Rows w(a, wk.b, wk.r0, wk.r1, wk.kvh, wk.g0, wk.g1);
   const int64_t D = a.D, G = w.Gn, RG = w.R * G;
@@ -120,10 +120,10 @@ int64_t item(const Args<T>& a, const Work& wk, Impl impl) {
   }
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<F, float>)
-    if (impl == AVX512 && D % 16 == 0) return item_avx512<T>(a, w, qf, acc, sc, stage, vis, nch, j00);
-  if (impl != PORTABLE) return item_portable_avx2<T, F>(a, w, qf, sc, acc, vis, nch, j00);
+    if (impl == AVX512 && D % 16 == 0) return item_avx512<T, C>(a, w, qf, acc, sc, stage, vis, nch, j00);
+  if (impl != PORTABLE) return item_portable_avx2<T, C, F>(a, w, qf, sc, acc, vis, nch, j00);
 #endif
-  return item_portable_base<T, F>(a, w, qf, sc, acc, vis, nch, j00);
+  return item_portable_base<T, C, F>(a, w, qf, sc, acc, vis, nch, j00);
 }
 
 // Work items: per request, its rows in even blocks of at most `rb`, then per kv head, then (only when
@@ -148,13 +148,13 @@ std::vector<Work> plan(int64_t nreq, const int64_t* qs, int64_t KVH, int64_t G, 
   return work;
 }
 
-template <typename T>
+template <typename T, typename C>
 void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, int64_t nreq, const int64_t* qs,
          const int64_t* qpos, const int64_t* slots, const int64_t* cs, const int64_t* first,
          const bool* mask, const int64_t* ms, bool causal, int64_t window, double scale, at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = kc.size(1), G = H / KVH;
   TORCH_CHECK(G <= 8, "paged_attention: at most 8 query heads per kv head");
-  const Args<T> a{q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), out.data_ptr<T>(), qs, qpos, slots, cs, first,
+  const Args<T, C> a{q.data_ptr<T>(), kc.data_ptr<C>(), vc.data_ptr<C>(), out.data_ptr<T>(), qs, qpos, slots, cs, first,
                   ms, mask, causal, window, H, D, KVH, G, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), scale};
   const Impl impl = best_impl();
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
@@ -164,7 +164,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, int64_
   // each thread takes the next item until none is left (items differ in cost: ragged rows, contexts)
   at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
     int64_t my = 0;
-    for (int64_t it; (it = next.fetch_add(1)) < n;) my += item<T>(a, work[it], impl);
+    for (int64_t it; (it = next.fetch_add(1)) < n;) my += item<T, C>(a, work[it], impl);
     dots += my;
   });
   g_rows += q.size(0) * H;
@@ -180,7 +180,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   // NOTE: any slot and head strides (the pool is head-major: each kv head's slots are contiguous), the same for K and V
   TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.strides() == v_cache.strides() && k_cache.sizes() == v_cache.sizes(),
               "paged_attention: K and V pools of one layout, head dim contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_attention: q and cache dtypes differ");
+  const bool bf16_pool = q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || bf16_pool,
+              "paged_attention: the KV pool must have q's dtype, or be bfloat16 under float32 queries");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads not a multiple of kv heads");
   // the index tensors are already contiguous int64 in the engine: no copy, no extra op then
   auto i64 = [](const at::Tensor& t) { return t.scalar_type() == at::kLong && t.is_contiguous() ? t : t.contiguous().to(at::kLong); };
@@ -193,11 +195,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     mst = i64(*mask_start);
   }
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
-    run<scalar_t>(q, k_cache, v_cache, fi.numel(), qs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),
+  auto go = [&](auto q_type, auto kv_type) {
+    using T = decltype(q_type);
+    using C = decltype(kv_type);
+    run<T, C>(q, k_cache, v_cache, fi.numel(), qs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),
                   cs.data_ptr<int64_t>(), fi.data_ptr<int64_t>(), mask.has_value() ? m.data_ptr<bool>() : nullptr,
                   mask.has_value() ? mst.data_ptr<int64_t>() : nullptr, causal, window, scale, out);
-  });
+  };
+  if (bf16_pool) {
+    go(float{}, c10::BFloat16{});
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] { go(scalar_t{}, scalar_t{}); });
+  }
   return out;
 }
 

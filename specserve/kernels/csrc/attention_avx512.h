@@ -57,12 +57,12 @@ SS_AVX512 SS_INLINE __m512 reduce16x16(const __m512* p) {
 
 // A chunk's K, staged as [D/16][16 slots][16 floats] (slot s holds key perm16(s); keys outside [lo, hi),
 // seen by no row of the item, are zeros): pass 1 then reads it with one pointer and fixed offsets.
-template <typename T>
-SS_AVX512 SS_INLINE void stage_k(const Args<T>& a, const Rows& w, int64_t j0, float* kst) {
+template <typename T, typename C>
+SS_AVX512 SS_INLINE void stage_k(const Args<T, C>& a, const Rows& w, int64_t j0, float* kst) {
   for (int s = 0; s < 16; ++s) {
     const int64_t j = j0 + perm16(s);
     const bool in = j >= w.lo && j < w.hi;
-    const T* src = in ? a.kd + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1 : nullptr;
+    const C* src = in ? a.kd + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1 : nullptr;
     for (int64_t d = 0; d < a.D; d += 16) _mm512_storeu_ps(kst + d * 16 + 16 * s, in ? load16(src + d) : _mm512_setzero_ps());
   }
 }
@@ -72,23 +72,23 @@ SS_AVX512 SS_INLINE void stage_k(const Args<T>& a, const Rows& w, int64_t j0, fl
 // context streamed ~8 GB/s (the L1 fill buffers cap the misses in flight), 30 layers at 2k context 13.2 ms;
 // 8 ahead into L2: 8.8 ms (4 into L2: 9.6; 16: 11.3; 8 into L1: 9.7 — SmolLM2 shapes, AMD EPYC, 2 threads).
 constexpr int64_t PF = 8;
-template <typename T>
-SS_AVX512 SS_INLINE void prefetch_chunk(const Args<T>& a, const Rows& w, const T* base, int64_t j0) {
+template <typename T, typename C>
+SS_AVX512 SS_INLINE void prefetch_chunk(const Args<T, C>& a, const Rows& w, const C* base, int64_t j0) {
   for (int64_t j = std::max(j0, w.lo), e = std::min(j0 + 16, w.hi); j < e; ++j) {
     const char* p = reinterpret_cast<const char*>(base + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1);
-    for (int64_t o = 0; o < a.D * static_cast<int64_t>(sizeof(T)); o += 64) _mm_prefetch(p + o, _MM_HINT_T2);
+    for (int64_t o = 0; o < a.D * static_cast<int64_t>(sizeof(C)); o += 64) _mm_prefetch(p + o, _MM_HINT_T2);
   }
 }
 
 // A chunk's V rows (keys in [lo, hi) only; the others are never read): the pool rows themselves (fp32)
 // or converted once into `vst` (bf16).
-template <typename T>
-SS_AVX512 SS_INLINE void chunk_v(const Args<T>& a, const Rows& w, int64_t j0, float* vst, const float** rows) {
+template <typename T, typename C>
+SS_AVX512 SS_INLINE void chunk_v(const Args<T, C>& a, const Rows& w, int64_t j0, float* vst, const float** rows) {
   for (int k = 0; k < 16; ++k) {
     const int64_t j = j0 + k;
     if (j < w.lo || j >= w.hi) continue;
-    const T* src = a.vd + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1;
-    if constexpr (std::is_same_v<T, float>) {
+    const C* src = a.vd + a.slots[w.c0 + j] * a.ks0 + w.kvh * a.ks1;
+    if constexpr (std::is_same_v<C, float>) {
       rows[k] = src;
     } else {
       for (int64_t d = 0; d < a.D; d += 16) _mm512_storeu_ps(vst + k * a.D + d, load16(src + d));
@@ -125,8 +125,8 @@ SS_AVX512 SS_INLINE void acc_heads(float* const* ac, const float (*e)[16], uint3
 }
 
 // Scratch (floats): qf[RG·D] acc[RG·D] scores[RG·16·nch] stage[16·D]; vis: per row and chunk, visible keys.
-template <typename T>
-SS_AVX512 int64_t item_avx512(const Args<T>& a, const Rows& w, const float* qf, float* acc, float* sc,
+template <typename T, typename C>
+SS_AVX512 int64_t item_avx512(const Args<T, C>& a, const Rows& w, const float* qf, float* acc, float* sc,
                               float* stage, const uint32_t* vis, int64_t nch, int64_t j00) {
   const int64_t D = a.D, G = w.Gn, RG = w.R * G, span = 16 * nch;
   __m512 mx[RB * 8], sum[RB * 8];

@@ -29,8 +29,11 @@ namespace specserve_attn {
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
 
-template <typename T> struct Args {
-  const T *qd, *kd, *vd;
+// T: the queries' and the output's type; C: the KV pool's (C = T, or a bf16 pool under fp32 queries: keys and
+// values widen to F exactly, so the arithmetic below is unchanged)
+template <typename T, typename C = T> struct Args {
+  const T* qd;
+  const C *kd, *vd;
   T* od;
   const int64_t *qs, *qpos, *slots, *cs, *first, *ms;
   const bool* mask;
@@ -45,8 +48,8 @@ constexpr int64_t RB = 8;  // query rows of one request that share each K/V read
 // (query head h0 + g); each row's visible context range and their union [lo, hi).
 struct Rows {
   int64_t b, kvh, h0, Gn, c0, L, f, r0, R, lo, hi, jlo[RB], jhi[RB];
-  template <typename T>
-  Rows(const Args<T>& a, int64_t b_, int64_t r0_, int64_t r1, int64_t kvh_, int64_t g0, int64_t g1)
+  template <typename A>
+  Rows(const A& a, int64_t b_, int64_t r0_, int64_t r1, int64_t kvh_, int64_t g0, int64_t g1)
       : b(b_), kvh(kvh_), h0(kvh_ * a.G + g0), Gn(g1 - g0), r0(r0_), R(r1 - r0_) {
     c0 = a.cs[b], L = a.cs[b + 1] - c0, f = a.first[b], lo = L, hi = 0;
     for (int64_t i = 0; i < R; ++i) {
@@ -57,7 +60,7 @@ struct Rows {
     }
   }
   // Bit k: whether context entry j0 + k (j0 may be < 0 or the range end ≥ L) is visible to row i.
-  template <typename T> uint32_t visible16(const Args<T>& a, int64_t i, int64_t j0) const {
+  template <typename A> uint32_t visible16(const A& a, int64_t i, int64_t j0) const {
     const int64_t s = std::max(j0, jlo[i]), e = std::min(j0 + 16, jhi[i]);
     if (s >= e) return 0;
     uint32_t bits = ((1u << (e - s)) - 1u) << (s - j0);  // e − s ≤ 16

@@ -135,13 +135,18 @@ at::Tensor silu_mul(const at::Tensor& gu_) {
 }
 
 // Rotate-half RoPE of q (in place) and k, and write k, v into the KV pool at `slots`:
-// x·cos + rotate_half(x)·sin, rounded like the reference (each product, then the sum, in T).
+// x·cos + rotate_half(x)·sin, rounded like the reference (each product, then the sum, in T). A bfloat16 pool
+// under float32 q/k/v stores each value rounded to nearest even, as torch's .to(torch.bfloat16).
 void rope_kv_write(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                    const at::Tensor& sin, const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
                    const at::Tensor& slots_) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "rope_kv_write: head dim must be contiguous");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous(),
               "rope_kv_write: contiguous tables, pool head dim contiguous");
+  const bool same = k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type();
+  TORCH_CHECK(same || (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16 &&
+                       v_cache.scalar_type() == at::kBFloat16),
+              "rope_kv_write: the KV pool must have q's dtype, or be bfloat16 under float32 q");
   at::Tensor pos = positions.contiguous().to(at::kLong), slots = slots_.contiguous().to(at::kLong);
   const int64_t T = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2), h2 = D / 2;
   const int64_t kc0 = k_cache.stride(0), kc1 = k_cache.stride(1), vc0 = v_cache.stride(0), vc1 = v_cache.stride(1);
@@ -151,7 +156,6 @@ void rope_kv_write(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     using F = Acc<S>;
     S* qd = q.data_ptr<S>();
     const S *kd = k.data_ptr<S>(), *vd = v.data_ptr<S>(), *cd = cos.data_ptr<S>(), *sd = sin.data_ptr<S>();
-    S *kc = k_cache.data_ptr<S>(), *vc = v_cache.data_ptr<S>();
     const int64_t *pd = pos.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
     auto rot = [&](const S* x, S* y, const S* c, const S* s) {
       for (int64_t i = 0; i < D; ++i) {
@@ -161,22 +165,29 @@ void rope_kv_write(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         y[i] = static_cast<S>(static_cast<F>(a) + static_cast<F>(b));
       }
     };
-    at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
-      S tmp[1024];
-      for (int64_t r = a; r < b; ++r) {
-        const S *c = cd + pd[r] * D, *s = sd + pd[r] * D;
-        for (int64_t h = 0; h < H; ++h) {
-          S* x = qd + r * q.stride(0) + h * q.stride(1);
-          rot(x, tmp, c, s);
-          std::copy(tmp, tmp + D, x);
+    auto write = [&](auto* kc, auto* vc) {  // the pool's element type: S, or bf16 under float
+      using C = std::remove_pointer_t<decltype(kc)>;
+      at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
+        S tmp[1024];
+        for (int64_t r = a; r < b; ++r) {
+          const S *c = cd + pd[r] * D, *s = sd + pd[r] * D;
+          for (int64_t h = 0; h < H; ++h) {
+            S* x = qd + r * q.stride(0) + h * q.stride(1);
+            rot(x, tmp, c, s);
+            std::copy(tmp, tmp + D, x);
+          }
+          for (int64_t h = 0; h < KVH; ++h) {
+            rot(kd + r * k.stride(0) + h * k.stride(1), tmp, c, s);
+            C* ko = kc + sl[r] * kc0 + h * kc1;
+            const S* vi = vd + r * v.stride(0) + h * v.stride(1);
+            C* vo = vc + sl[r] * vc0 + h * vc1;
+            for (int64_t i = 0; i < D; ++i) ko[i] = static_cast<C>(tmp[i]), vo[i] = static_cast<C>(vi[i]);
+          }
         }
-        for (int64_t h = 0; h < KVH; ++h) {
-          rot(kd + r * k.stride(0) + h * k.stride(1), kc + sl[r] * kc0 + h * kc1, c, s);
-          std::copy(vd + r * v.stride(0) + h * v.stride(1), vd + r * v.stride(0) + h * v.stride(1) + D,
-                    vc + sl[r] * vc0 + h * vc1);
-        }
-      }
-    });
+      });
+    };
+    if (same) write(k_cache.data_ptr<S>(), v_cache.data_ptr<S>());
+    else write(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
   });
 }
 

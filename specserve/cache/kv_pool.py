@@ -43,7 +43,7 @@ def parse_memory(spec: str | float | int) -> int:
 
 class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype) -> None:
-        self.page_size = page_size
+        self.page_size, self.dtype = page_size, dtype
         self.allocator = PageAllocator(num_pages)
         slots = num_pages * page_size
         # NOTE: one K and one V per attention layer, in layer order (recurrent layers keep a StatePool slot).

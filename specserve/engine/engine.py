@@ -29,7 +29,7 @@ from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, S
 from ..drafters.base import Drafter, create_drafter
 from ..drafters.context import DrafterContext, KVBudget
 from ..dist import start_tensor_parallel
-from ..grammar.backend import GrammarCompiler, GrammarSpec, Matcher
+from ..grammar.backend import GrammarCompiler
 from ..models import LlamaModel, build_model, default_quantization, resolve_dtype, resolve_kv_dtype
 from ..spec.accept import accept_request
 from ..spec.grammar import cut_to_grammar, forced_drafts, with_forced
@@ -60,8 +60,8 @@ class Engine:
         mcfg = model.cfg
         self.config = config = resolve_config(config, mcfg)  # AUTO and the default window made concrete
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        budget = KVBudget(parse_memory(config.kv_cache_memory), mcfg, self.kv_dtype, config.page_size)
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        budget = KVBudget(parse_memory(config.kv_cache_memory), mcfg, kv_dtype, config.page_size)
         # hybrid targets: one recurrent-state slot per request that may run, reserved before any KV
         self.states = budget.state_pool(mcfg, self.dtype, config.max_running_requests) if mcfg.is_hybrid else None
         self.policy = make_policy(config.speculative_window if config.speculative_algorithm else "fixed", config)
@@ -72,14 +72,14 @@ class Engine:
         self.tp = start_tensor_parallel(config, mcfg) if config.tp_size > 1 else None
         # NOTE: under TP each rank's pool holds its KV heads only; rank 0's shard is the largest
         kv_cfg = self.tp.model.cfg if self.tp else mcfg
-        pages = KVPool.pages_for_budget(kv_cfg, budget.remaining, config.page_size, self.kv_dtype)
+        pages = KVPool.pages_for_budget(kv_cfg, budget.remaining, config.page_size, kv_dtype)
         if pages < 1:
             raise ValueError(f"--kv-cache-memory {config.kv_cache_memory!r} is too small for one KV page of this model")
         if self.tp:
-            self.kv = self.tp.kv_pool(pages, self.kv_dtype)
+            self.kv = self.tp.kv_pool(pages, kv_dtype)
             self.runner = self.tp.runner(self.kv)
         else:
-            self.kv = KVPool(mcfg, pages, config.page_size, self.kv_dtype)
+            self.kv = KVPool(mcfg, pages, config.page_size, kv_dtype)
             self.runner = ModelRunner(model, self.kv, self.states)
         # target layers whose hidden states the drafter consumes; () = capture nothing
         self.aux_layers: tuple[int, ...] = self.drafter.aux_layers if self.drafter else ()
@@ -101,7 +101,7 @@ class Engine:
         self.commit_stage = CommitStage(steps + ([DraftState(self.drafter)] if self.drafter else []), self._fail)
         if self.drafter:
             self.policy.bind(self.runner, self.drafter, self.stats)
-        self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
+        self._grammars = GrammarCompiler(config.grammar_backend, self.tokenizer, mcfg.vocab_size, self.eos_ids)
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
@@ -129,7 +129,7 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already running")
-        grammar = self._compile_grammar(params)
+        grammar = self._grammars.for_params(params)
         gen = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -138,19 +138,6 @@ class Engine:
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
-
-    def _compile_grammar(self, params: SamplingParams) -> Matcher | None:
-        """A fresh matcher for the request's grammar (compiled once per distinct grammar; a bad one is
-        a ValueError naming the field, with the backend's reason)."""
-        spec = GrammarSpec.from_params(params)
-        if spec is None:
-            return None
-        if self.tokenizer is None or not self.eos_ids:
-            raise ValueError(f"{spec.field}: structured output needs the model's tokenizer and its EOS token")
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.config.grammar_backend, self.tokenizer, self.model.cfg.vocab_size,
-                                             self.eos_ids)
-        return self._grammars.matcher(spec)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.scheduler.abort(request_id)

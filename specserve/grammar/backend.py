@@ -153,13 +153,27 @@ def backend_class(name: str) -> type[GrammarBackend]:
 
 
 class GrammarCompiler:
-    """The engine's grammar front door: spec → fresh matcher, compiled grammars cached (LRU)."""
+    """The engine's grammar front door: spec → fresh matcher, compiled grammars cached (LRU). The backend is
+    built at the first grammar (most engines never see one)."""
 
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> None:  # noqa: ANN401
-        self.backend = backend_class(backend)(tokenizer, vocab_size, sorted(eos_ids))
+        self._args = (backend, tokenizer, vocab_size, sorted(eos_ids))
+        self.backend: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
+    def for_params(self, params: Any) -> Matcher | None:  # noqa: ANN401
+        """A fresh matcher for a request's grammar (None without one); a bad one is a ValueError naming the field."""
+        spec = GrammarSpec.from_params(params)
+        if spec is None:
+            return None
+        if self._args[1] is None or not self._args[3]:
+            raise ValueError(f"{spec.field}: structured output needs the model's tokenizer and its EOS token")
+        return self.matcher(spec)
+
     def matcher(self, spec: GrammarSpec) -> Matcher:
+        if self.backend is None:
+            name, tokenizer, vocab_size, eos_ids = self._args
+            self.backend = backend_class(name)(tokenizer, vocab_size, eos_ids)
         if len(spec.source) > MAX_SOURCE_CHARS:
             raise GrammarError(f"{spec.field}: grammar of {len(spec.source)} characters exceeds the limit of "
                                f"{MAX_SOURCE_CHARS}")

@@ -58,10 +58,10 @@ class DraftGate:
     its closed arm is re-tried after `explore` steps of that bucket, then at
     doubling intervals while it keeps losing (up to `max_explore`), so a change of workload or context
     length is noticed at a bounded cost. An open source has plain decoding re-measured every `explore` steps, or
-    at doubling intervals while it is faster than plain by more than `margin`. The cost model still chooses the windows whenever
-    drafting is allowed; the gate only catches what the model misestimates (a drafter whose gain and cost
-    nearly cancel), bounding the loss to the exploration steps. Gating per source keeps the free lookups
-    on while a learned drafter that does not pay is off."""
+    at doubling intervals while it is faster than plain by more than `margin`. The cost model still chooses the
+    windows whenever drafting is allowed; the gate only catches what the model misestimates (a drafter whose
+    gain and cost nearly cancel), bounding the loss to the exploration steps. Gating per source keeps the free
+    lookups on while a learned drafter that does not pay is off."""
 
     warmup: int = 3
     explore: int = 20

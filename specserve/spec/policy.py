@@ -113,7 +113,7 @@ class CostPolicy(WindowPolicy):
     the measured per-request draft cost and the empirical DraftGate."""
 
     name = "cost"
-    #: drafters stop a chain once it is < 30% likely to be accepted this far. NOTE: measured, not derived: the
+    #: drafters stop a chain once it is < 20% likely to be accepted this far. NOTE: measured, not derived: the
     #: window maths verifies positions down to ~10% at batch 1, but the table's calibration (held-out chat) is
     #: ~20% optimistic on other text, and AUTO ran 1.198x plain at 0.02, 1.220-1.222x at 0.2-0.3 (batch 8: same);
     #: stop 29, with the plain re-measurements of the gate thinned out: 1.337x at 0.3, 1.364x at 0.2, 1.373x at 0.15
@@ -144,8 +144,7 @@ class CostPolicy(WindowPolicy):
         tp = f"-tp{m.tp.world}" if getattr(m, "tp", None) else ""  # a shard's step costs differ from the whole model's
         # NOTE: curves measured with other kernels (an edited checkout) are stale: the sources' digest is in the key
         kern = f"-k{kernels.source_digest()[:8]}" if fused.enabled() else ""
-        kv = runner.kv.k[0].dtype if runner.kv.k else m.dtype
-        kvd = f"-kv{kv}" if kv != m.dtype else ""  # a bf16 KV pool steps faster at long contexts
+        kvd = f"-kv{runner.kv.dtype}" if runner.kv.dtype != m.dtype else ""  # a bf16 pool: faster at long contexts
         return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}{kvd}{tp}{kern}")
 
     def bind(self, runner: "ModelRunner", drafter: "Drafter", stats: SpecStats) -> None:

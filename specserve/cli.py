@@ -154,7 +154,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specserve: error: {e}") from None
     if cfg.node_rank > 0:  # another machine of a multi-node --tp-size: only its forward workers
-        from .dist.worker import run_node
+        from .parallel.worker import run_node
 
         raise SystemExit(run_node(cfg))
     from .server.app import run_server

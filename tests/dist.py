@@ -13,8 +13,8 @@ def exact_joint(model, prompt: list[int], length: int, params: SamplingParams,  
     """Exact distribution of the first `length` tokens under `params` (enumeration, full recompute).
     `allowed(seq) → bool [V]`: a grammar's allowed set after output `seq`, applied to the raw logits."""
     from specserve.cache.kv_pool import KVPool
-    from specserve.engine.runner import ModelRunner
-    from specserve.engine.sampling import target_logits
+    from specserve.runtime.runner import ModelRunner
+    from specserve.runtime.sampling import target_logits
 
     def probs(ids: list[int]) -> torch.Tensor:
         kv = KVPool(model.cfg, 4, 16, model.dtype)

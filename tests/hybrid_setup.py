@@ -10,7 +10,7 @@ import torch
 
 from specserve.cache.kv_pool import KVPool
 from specserve.cache.state_pool import StatePool
-from specserve.engine.runner import ModelRunner
+from specserve.runtime.runner import ModelRunner
 from specserve.models.config import ModelConfig
 from specserve.models.forward_batch import RowStates
 from specserve.models.qwen3_5 import Qwen35Model

@@ -13,7 +13,7 @@ import torch
 from specserve.cache.kv_pool import KVPool
 from specserve.core import SamplingParams
 from specserve.engine.llm import LLM
-from specserve.engine.runner import ModelRunner
+from specserve.runtime.runner import ModelRunner
 
 
 V = 97

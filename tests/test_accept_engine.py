@@ -29,7 +29,7 @@ def tiny5():
 def model_last_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     """Raw next-token logits after `ids`, by a plain full-recompute forward (as tests/tiny.py)."""
     from specserve.cache.kv_pool import KVPool
-    from specserve.engine.runner import ModelRunner
+    from specserve.runtime.runner import ModelRunner
 
     kv = KVPool(model.cfg, num_pages=(len(ids) + 15) // 16, page_size=16, dtype=model.dtype)
     pt: list[int] = []

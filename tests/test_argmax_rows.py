@@ -1,4 +1,4 @@
-"""argmax_rows (engine/sampling.py, kernels/csrc/argmax.cpp): the greedy token of each row is torch.argmax's
+"""argmax_rows (runtime/sampling.py, kernels/csrc/argmax.cpp): the greedy token of each row is torch.argmax's
 choice on every input (ties: the first maximum; a NaN counts as the maximum; ±inf; rows whose length is not a
 multiple of the SIMD width), in every dtype, with the extension's op and with the pure-torch fallback."""
 from __future__ import annotations

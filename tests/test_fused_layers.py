@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve.cache.kv_pool import KVPool
-from specserve.engine.runner import ModelRunner
+from specserve.runtime.runner import ModelRunner
 from specserve.models import fused
 from specserve.models.forward_batch import build_forward_batch
 from specserve.models.llama import reference_attention

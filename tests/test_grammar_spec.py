@@ -69,7 +69,7 @@ def masked_greedy_oracle(model, prompt: list[int], params: SamplingParams) -> li
 
 def _last_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     from specserve.cache.kv_pool import KVPool
-    from specserve.engine.runner import ModelRunner
+    from specserve.runtime.runner import ModelRunner
 
     kv = KVPool(model.cfg, num_pages=(len(ids) + 15) // 16, page_size=16, dtype=model.dtype)
     pt: list[int] = []

@@ -14,7 +14,7 @@ from specserve.cache.kv_pool import KVPool
 from specserve.cache.state_pool import OutOfStateSlots, StatePool
 from specserve.core import Proposal, Request, SamplingParams
 from specserve.engine.llm import LLM
-from specserve.engine.runner import ModelRunner
+from specserve.runtime.runner import ModelRunner
 from specserve.engine.scheduler import Scheduler
 from specserve.models.config import ModelConfig
 from specserve.spec.verify import verify

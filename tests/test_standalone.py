@@ -7,7 +7,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 
-from .dist import engine_vs_exact_joint, tv_threshold
+from .parallel import engine_vs_exact_joint, tv_threshold
 from .tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
 
 
@@ -63,7 +63,7 @@ def test_standalone_requests_join_midway(dirs: dict[str, str]) -> None:
 def test_draft_kv_matches_committed_tokens(dirs: dict[str, str]) -> None:
     """After each step, the draft's valid KV (positions < done) equals a fresh forward of the tokens."""
     from specserve.cache.kv_pool import KVPool
-    from specserve.engine.runner import ModelRunner
+    from specserve.runtime.runner import ModelRunner
 
     llm = _llm(dirs, "small", 5)
     eng = llm.engine

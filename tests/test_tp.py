@@ -47,7 +47,7 @@ def _outputs(path: str, plan: list, **opts) -> list[list[int]]:
 
 def _no_workers_left() -> bool:
     me = psutil.Process()
-    return not [c for c in me.children(recursive=True) if "specserve.dist.worker" in " ".join(c.cmdline())]
+    return not [c for c in me.children(recursive=True) if "specserve.parallel.worker" in " ".join(c.cmdline())]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -122,7 +122,7 @@ def _serve(model: str, port: int, log: Path, *extra: str) -> subprocess.Popen:
 
 
 def _workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    return [c for c in psutil.Process(proc.pid).children(recursive=True) if "specserve.dist.worker" in " ".join(c.cmdline())]
+    return [c for c in psutil.Process(proc.pid).children(recursive=True) if "specserve.parallel.worker" in " ".join(c.cmdline())]
 
 
 def test_killed_worker_server_fails_requests_reports_unhealthy_and_exits(tmp_path: Path) -> None:
@@ -155,7 +155,7 @@ def test_worker_death_while_idle_reports_unhealthy(tmp_path: Path) -> None:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         assert client.completions.create(model="tiny", prompt="w7 w8", max_tokens=4).choices[0].text
         (worker,) = [c for c in psutil.Process().children(recursive=True)
-                     if "specserve.dist.worker" in " ".join(c.cmdline())]
+                     if "specserve.parallel.worker" in " ".join(c.cmdline())]
         worker.kill()
         deadline = time.monotonic() + 10
         while (r := httpx.get(srv.url + "/health")).status_code == 200:

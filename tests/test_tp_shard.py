@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.config import EngineConfig
-from specserve.dist.comm import TensorParallel
-from specserve.dist.shard import Layout, shard_checkpoint, split
+from specserve.parallel.comm import TensorParallel
+from specserve.parallel.shard import Layout, shard_checkpoint, split
 from specserve.models.llama import LlamaModel
 from specserve.models.quant import quantize_blocks
 from tests.tiny import tiny_config, tiny_state_dict

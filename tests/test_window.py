@@ -175,7 +175,7 @@ def test_cost_policy_is_lossless_and_adapts(monkeypatch: pytest.MonkeyPatch, alg
 
 def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     from specserve.cache.kv_pool import KVPool
-    from specserve.engine.runner import ModelRunner
+    from specserve.runtime.runner import ModelRunner
 
     m = tiny_model("llama")
     runner = ModelRunner(m, KVPool(m.cfg, 32, 16, m.dtype))
@@ -197,7 +197,7 @@ def test_a_stale_cached_curve_is_measured_again(tmp_path) -> None:  # noqa: ANN0
     import json
 
     from specserve.cache.kv_pool import KVPool
-    from specserve.engine.runner import ModelRunner
+    from specserve.runtime.runner import ModelRunner
 
     m = tiny_model("llama")
     runner = ModelRunner(m, KVPool(m.cfg, 32, 16, m.dtype))
@@ -241,7 +241,7 @@ def test_cost_curve_is_dense_where_small_windows_fall(tmp_path) -> None:  # noqa
     """Every verify size 1..17 is measured (no interpolation between powers of two), then sparser; a
     cache of the old sparse curve (its old file name) is not reused."""
     from specserve.cache.kv_pool import KVPool
-    from specserve.engine.runner import ModelRunner
+    from specserve.runtime.runner import ModelRunner
     from specserve.spec.cost import COST_SIZES
 
     m = tiny_model("llama")

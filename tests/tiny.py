@@ -53,7 +53,7 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float64, seed: in
 def reference_greedy(model: LlamaModel, prompt: list[int], n: int) -> list[int]:
     """Plain full-recompute greedy decoding with no cache reuse: the oracle for engine tests."""
     from specserve.cache.kv_pool import KVPool
-    from specserve.engine.runner import ModelRunner
+    from specserve.runtime.runner import ModelRunner
 
     ids = list(prompt)
     out = []
@@ -98,7 +98,7 @@ def save_tiny_hf_dir(cfg: ModelConfig, sd: dict[str, torch.Tensor], path) -> str
 def ref_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     """Full forward of ids from scratch: row j = logits after ids[: j + 1]."""
     from specserve.cache.kv_pool import KVPool
-    from specserve.engine.runner import ModelRunner
+    from specserve.runtime.runner import ModelRunner
 
     kv = KVPool(model.cfg, num_pages=(len(ids) + 15) // 16, page_size=16, dtype=model.dtype)
     pt: list[int] = []

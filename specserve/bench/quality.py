@@ -46,7 +46,7 @@ def held_out_text(tokenizer, n_tokens: int = 1024) -> list[int]:  # noqa: ANN001
 def teacher_forced_logits(model, ids: list[int], chunk: int = 256, kv_dtype: torch.dtype | None = None) -> torch.Tensor:  # noqa: ANN001
     """Logits [len(ids), V] (fp32) of one sequence, fed in chunks through the paged forward."""
     from ..cache.kv_pool import KVPool
-    from ..engine.runner import ModelRunner
+    from ..runtime.runner import ModelRunner
 
     kv = KVPool(model.cfg, num_pages=(len(ids) + 15) // 16, page_size=16, dtype=kv_dtype or model.dtype)
     pt: list[int] = []

@@ -20,7 +20,7 @@ import torch
 
 from ..cache.kv_pool import KVPool
 from ..core import Proposal, Request
-from ..engine.sampling import grammar_allowed, sample, target_logits
+from ..runtime.sampling import grammar_allowed, sample, target_logits
 from .base import Drafter
 from .context import DrafterContext
 from .nets import DraftNet
@@ -79,7 +79,7 @@ class LearnedDrafter(Drafter):
 
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
         """NOTE: retry-safe. A batched propose that raises is retried one request at a time
-        (engine/isolate.py), but its catch-up may already have consumed pending features and
+        (runtime/isolate.py), but its catch-up may already have consumed pending features and
         advanced `done` before the failure: both are restored, so the retry rebuilds the same rows
         (rewriting draft KV slots with the values they already hold). The engine restores generators."""
         saved = {r.request_id: (st.done, list(st.pending)) for r in reqs if (st := self.state.get(r.request_id))}

@@ -17,8 +17,8 @@ import torch
 
 from ..cache.kv_pool import KVPool, OutOfPages
 from ..core import Proposal, Request
-from ..engine.runner import ModelRunner
-from ..engine.sampling import grammar_allowed, sample, target_logits
+from ..runtime.runner import ModelRunner
+from ..runtime.sampling import grammar_allowed, sample, target_logits
 from ..models.forward_batch import RowStates, StateBatch
 from .base import Capabilities, Drafter, register_drafter
 from .context import DrafterContext

@@ -10,7 +10,7 @@ and runs the step.
             accept  a lossless rule per request                    (spec/accept.py, spec/rules.py)
             commit  keep path, advance KV, emit, draft state       (spec/commit.py)
 Plain decoding is the same step with an empty proposal (window 0). An exception fails only the
-requests it concerns: batched calls are retried one request at a time (engine/isolate.py).
+requests it concerns: batched calls are retried one request at a time (runtime/isolate.py).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from ..config import EngineConfig
 from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status
 from ..drafters.base import Drafter, create_drafter
 from ..drafters.context import DrafterContext, KVBudget
-from ..dist import start_tensor_parallel
+from ..parallel import start_tensor_parallel
 from ..grammar.backend import GrammarCompiler
 from ..models import LlamaModel, build_model, default_quantization, resolve_dtype, resolve_kv_dtype
 from ..spec.accept import accept_request
@@ -37,9 +37,9 @@ from ..spec.commit import AdvanceKV, CommitStage, CommitState, Committed, DraftS
 from ..spec.policy import StepStats, make_policy
 from ..spec.resolve import resolve_config
 from ..spec.verify import verify
-from .isolate import isolate
-from .output import Emitter
-from .runner import ModelRunner, split_features
+from ..runtime.isolate import isolate
+from ..runtime.output import Emitter
+from ..runtime.runner import ModelRunner, split_features
 from .scheduler import Scheduler
 
 log = logging.getLogger("specserve")

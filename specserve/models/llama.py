@@ -18,7 +18,7 @@ from .forward_batch import ForwardBatch
 from .quant import BlockQuantWeight, linear
 
 if TYPE_CHECKING:
-    from ..dist.comm import TensorParallel
+    from ..parallel.comm import TensorParallel
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -150,7 +150,7 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
-        self.tp: "TensorParallel | None" = None  # set by dist.attach on a tensor-parallel shard
+        self.tp: "TensorParallel | None" = None  # set by parallel.attach on a tensor-parallel shard
         self._stack: tuple[object, tuple | None] | None = None  # (first qkv weight, _layer_stack's result)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

@@ -131,7 +131,7 @@ class AsyncEngine:
             except FatalEngineError:
                 raise
             except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
-                # NOTE: the step itself fails only the requests an exception concerns (engine/isolate.py);
+                # NOTE: the step itself fails only the requests an exception concerns (runtime/isolate.py);
                 # what reaches here broke the engine outside any request (scheduler, allocator)
                 log.exception("engine step failed outside any request; failing the requests in flight")
                 self._fail_all(f"internal engine error: {type(e).__name__}: {e}")

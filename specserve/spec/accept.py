@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..core import AcceptResult, Request
-from ..engine.sampling import target_logits
+from ..runtime.sampling import target_logits
 from .grammar import masked_chain, masked_row
 from .rules import accept_block, accept_greedy, accept_onehot, accept_sample, walk_tree
 

@@ -11,7 +11,7 @@ goes through `CommitStage.steps` in order:
               context); per-request and engine-wide acceptance stats count only what was emitted
   DraftState  drafter.commit with the committed rows' target features (one call for the batch)
 A request's grammar matcher advances inside Emit, token by token after the stop scan
-(engine/output.py), so that a grammar's end cuts the run exactly where a stop string would.
+(runtime/output.py), so that a grammar's end cuts the run exactly where a stop string would.
 Extension point: a later step is a `CommitStep` inserted at its place in `steps`. A step that raises for a request fails that request alone; later steps
 skip it (per-request steps run one request at a time; batched steps are retried one by one).
 The first token after a prefill passes through the same steps with `verified=False` (nothing was
@@ -29,8 +29,8 @@ from ..cache.kv_pool import KVPool
 from ..cache.state_pool import StatePool
 from ..core import AcceptResult, Request, SpecStats, count_per_pos
 from ..drafters.base import Drafter
-from ..engine.isolate import isolate
-from ..engine.output import Emitter
+from ..runtime.isolate import isolate
+from ..runtime.output import Emitter
 from ..models.forward_batch import RowStates
 
 

@@ -6,9 +6,9 @@
           trees keep only valid nodes — masks are computed for exactly the drafts verified
   ACCEPT  every verify row's raw target logits get −inf outside the grammar's allowed set, before
           penalties / temperature / top-k / top-p, whatever the rule (spec/accept.py)
-  COMMIT  the matcher advances one emitted token at a time, after the stop scan (engine/output.py)
+  COMMIT  the matcher advances one emitted token at a time, after the stop scan (runtime/output.py)
 NOTE: cutting a chain before an invalid draft is lossless for deterministic drafts. Drafters that
-sample (q) draw from the grammar-masked distribution (engine/sampling.grammar_allowed), so their
+sample (q) draw from the grammar-masked distribution (runtime/sampling.grammar_allowed), so their
 drafts are always valid and the cut never depends on a random draft's value.
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ from .gate import DraftGate
 
 if TYPE_CHECKING:
     from ..drafters.base import Drafter
-    from ..engine.runner import ModelRunner
+    from ..runtime.runner import ModelRunner
 
 
 @dataclass

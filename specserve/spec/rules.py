@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..engine.sampling import argmax_rows, sample
+from ..runtime.sampling import argmax_rows, sample
 from .tree import children_of
 
 

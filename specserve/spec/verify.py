@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..core import Proposal, Request
-from ..engine.runner import ModelRunner, split_features
+from ..runtime.runner import ModelRunner, split_features
 from ..models.forward_batch import RowStates
 from .tree import ancestor_mask, chain_parents, depths
 

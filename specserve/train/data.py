@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..cache.kv_pool import KVPool
 from ..core import SamplingParams
-from ..engine.runner import ModelRunner
+from ..runtime.runner import ModelRunner
 from ..models.llama import LlamaModel
 
 log = logging.getLogger("specserve.train")

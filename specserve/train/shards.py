@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..cache.kv_pool import KVPool
-from ..engine.runner import ModelRunner
+from ..runtime.runner import ModelRunner
 from ..models.llama import LlamaModel
 from .data import Sequence
 

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from ..cache.kv_pool import KVPool
 from ..config import EngineConfig
 from ..core import FatalEngineError
-from ..engine.runner import ModelRunner
+from ..runtime.runner import ModelRunner
 from .worker import build_shard, init_group, spawn
 
-log = logging.getLogger("specserve.dist")
+log = logging.getLogger("specserve.parallel")
 
 
 def free_port() -> int:

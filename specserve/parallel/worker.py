@@ -2,7 +2,7 @@
 rank 0's commands. It decides nothing: every scheduling, drafting and acceptance decision is made
 once, on rank 0, and arrives here as the arguments of a forward or a KV move (so ranks cannot diverge).
 
-    python -m specserve.dist.worker --rank R --config JSON     (started by rank 0 or `serve --node-rank`)
+    python -m specserve.parallel.worker --rank R --config JSON     (started by rank 0 or `serve --node-rank`)
 """
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ import torch.distributed as dist
 
 from ..cache.kv_pool import KVPool
 from ..config import EngineConfig
-from ..engine.runner import ModelRunner
+from ..runtime.runner import ModelRunner
 from ..models import model_class, resolve_dtype
 from ..models.loader import load_checkpoint
 from ..models.quant import quantize_model
 from .comm import TensorParallel
 from .shard import Layout, shard_checkpoint
 
-log = logging.getLogger("specserve.dist")
+log = logging.getLogger("specserve.parallel")
 # the fields a worker needs: the target's file and numerics, and where to meet the others
 WORKER_FIELDS = ("model", "dtype", "quantization", "page_size", "num_threads", "tp_size", "dist_init_addr", "nnodes")
 TIMEOUT = timedelta(seconds=float(os.environ.get("SPECSERVE_DIST_TIMEOUT", "1800")))
@@ -91,7 +91,7 @@ def serve_rank(config: EngineConfig, rank: int) -> None:
 def spawn(config: EngineConfig, rank: int) -> subprocess.Popen:
     """Start rank `rank` as a child process running this module."""
     fields = {f: getattr(config, f) for f in WORKER_FIELDS}
-    return subprocess.Popen([sys.executable, "-m", "specserve.dist.worker", "--rank", str(rank),
+    return subprocess.Popen([sys.executable, "-m", "specserve.parallel.worker", "--rank", str(rank),
                              "--config", json.dumps(fields)])
 
 
@@ -122,7 +122,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m specserve.dist.worker")
+    p = argparse.ArgumentParser(prog="python -m specserve.parallel.worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--config", required=True, help="JSON of the EngineConfig fields a worker needs")
     a = p.parse_args(argv)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specserve.cache.allocator import OutOfPages, PageAllocator
-from specserve.cache.kv_pool import KVPool, parse_memory, total_memory_bytes
+from specserve.cache.kv_pool import KVPool, parse_memory
+from specserve.memory import total_memory_bytes
 from tests.tiny import tiny_config
 
 

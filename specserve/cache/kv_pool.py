@@ -6,20 +6,16 @@ page_table[l // page_size] * page_size + l % page_size.
 """
 from __future__ import annotations
 
-import os
 import re
 
 import torch
 
 from ..models.config import ModelConfig
+from ..memory import total_memory_bytes
 from .allocator import OutOfPages, PageAllocator
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
           "g": 2**30, "gb": 2**30, "gib": 2**30}
-
-
-def total_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def parse_memory(spec: str | float | int) -> int:

@@ -93,7 +93,7 @@ class DrafterConfig:
 def dense_head(target: LlamaModel) -> torch.Tensor:
     """The target's LM head as a dense [V, H] matrix (tied heads are the embedding table)."""
     if target.cfg.tie_word_embeddings:
-        return target.embed
+        return target.embedding_table()
     if isinstance(target.lm_head, torch.Tensor):
         return target.lm_head
     raise ValueError("this drafter shares the target's LM head, which is int4-packed here; "
@@ -159,7 +159,7 @@ class DraftNet(nn.Module):
 
     def bind(self, target: LlamaModel) -> None:
         """Share the target's frozen tensors (not parameters of the drafter; never saved)."""
-        self.target_embed = target.embed.detach()  # a plain tensor: not a parameter of the drafter
+        self.target_embed = target.embedding_table().detach()  # a plain tensor: not a parameter of the drafter
 
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
         """target_ids: sorted target ids of the draft vocabulary (len = draft_vocab_size)."""

@@ -43,24 +43,30 @@ def default_quantization(name_or_path: str, dtype: str, quantization: str | None
     path = resolve_model_path(name_or_path)
     if path.suffix != ".gguf":
         return None
-    from gguf import GGUFReader
+    from .gguf_file import GGUFFile
 
-    kinds = {t.tensor_type.name for t in GGUFReader(str(path)).tensors if t.name.endswith("ffn_down.weight")}
+    kinds = {t.tensor_type.name for t in GGUFFile(path).tensors if t.name.endswith("ffn_down.weight")}
     return "w4a8" if any(k.startswith("Q4") for k in kinds) else "w8a8" if "Q8_0" in kinds else None
 
 
-def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None = None
+def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None = None, reserve_bytes: int = 0
                 ) -> tuple[LlamaModel, "Tokenizer"]:  # noqa: F821
-    """Load a checkpoint (HF dir, .gguf, or alias) into our model class; returns (model, tokenizer)."""
-    from .loader import load_checkpoint
+    """Load a checkpoint (HF dir, .gguf, or alias) into our model class; returns (model, tokenizer).
+    A quantized GGUF streams from the memory-mapped file straight into packed weights (gguf_stream.py),
+    after a check that it and `reserve_bytes` (the KV pools to come) fit in available memory."""
+    from .loader import load_checkpoint, resolve_model_path
+    from .quant import check_quantizable, quantize_model
 
-    from .quant import quantize_model
+    path = resolve_model_path(name_or_path)
+    if quantization and path.is_file() and path.suffix.lower() == ".gguf":
+        from .gguf_stream import load_quantized_gguf
+
+        return load_quantized_gguf(path, quantization, dtype, reserve_bytes)
 
     blocks: dict | None = {} if quantization else None
     cfg, state_dict, tokenizer = load_checkpoint(name_or_path, dtype, blocks)
-    if quantization and cfg.is_hybrid:
-        raise ValueError(f"--quantization {quantization}: not supported for {cfg.architecture} (hybrid recurrent) "
-                         f"targets; serve them unquantized (--dtype float32, bfloat16 or float64)")
+    if quantization:
+        check_quantizable(cfg, quantization)
     model = model_class(cfg.architecture)(cfg, dtype)
     model.load_weights(state_dict)
     del state_dict

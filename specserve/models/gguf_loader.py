@@ -148,26 +148,52 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]],
     )
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, blocks: dict[str, BlockCodes] | None = None
-              ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a GGUF file: config, HF-named dequantized weights (cast to `dtype`), tokenizer.
-    If `blocks` is given, it is filled with HF name → the exact blocks of every Q8_0/Q4_0/Q4_1/Q4_K
-    matrix (for the integer GEMMs of --quantization w4a8/w8a8/int4)."""
-    from gguf import GGUFReader
+def tensor_shape(t: Any) -> tuple[int, ...]:
+    """A GGUF tensor's shape in HF (row-major) order: GGUF lists dimensions fastest first."""
+    return tuple(int(x) for x in reversed(t.shape.tolist()))
+
+
+def open_gguf(path: Path) -> tuple[Any, ModelConfig, Tokenizer]:
+    """(memory-mapped reader, config, tokenizer), after checks that fail before anything is loaded: a file
+    the reader cannot parse (truncated, corrupt), tensor data past the end of the file, a block type we
+    cannot read (named with its tensor), a tensor we cannot place."""
     from gguf.quants import dequantize
 
-    path = Path(path)
-    reader = GGUFReader(str(path))  # memory-maps the file; tensors are read lazily below
-    # Fail fast, before any work, on quant types we don't dequantize.
-    bad = sorted({t.tensor_type.name for t in reader.tensors} - set(_SUPPORTED_QTYPES))
-    if bad:
-        raise ValueError(f"{path.name}: unsupported GGUF tensor type(s) {', '.join(bad)}; "
-                         f"supported: {', '.join(_SUPPORTED_QTYPES)}")
-    shapes = {t.name: tuple(int(s) for s in reversed(t.shape.tolist())) for t in reader.tensors}
+    from .gguf_file import GGUFFile
+
+    size = path.stat().st_size
+    try:
+        reader = GGUFFile(path)  # memory-maps the file; tensors are read lazily
+    except Exception as e:  # noqa: BLE001 - bad bytes surface as struct/numpy/enum errors
+        raise ValueError(f"{path.name}: not a readable GGUF file ({type(e).__name__}: {e}); "
+                         f"it may be truncated or corrupt ({size} bytes)") from None
+    for t in reader.tensors:
+        if t.tensor_type.name not in _SUPPORTED_QTYPES:
+            raise ValueError(f"{path.name}: tensor {t.name!r} has GGUF block type {t.tensor_type.name}, which "
+                             f"specserve cannot read; supported: {', '.join(_SUPPORTED_QTYPES)}")
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise ValueError(f"{path.name}: tensor {t.name!r} ends at byte {int(t.data_offset) + int(t.n_bytes)} "
+                             f"but the file has {size} bytes: the file is truncated")
+        if t.name not in _SKIP and hf_name(t.name) is None:
+            raise ValueError(f"{path.name}: unexpected GGUF tensor {t.name!r}")
+    shapes = {t.name: tensor_shape(t) for t in reader.tensors}
     freqs = next((np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
                   for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     cfg = read_config(reader, shapes, freqs)
     tokenizer = Tokenizer.from_gguf(reader)
+    return reader, replace(cfg, eos_token_ids=tokenizer.eos_token_ids), tokenizer
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, blocks: dict[str, BlockCodes] | None = None
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Read a GGUF file: config, HF-named dequantized weights (cast to `dtype`), tokenizer.
+    If `blocks` is given, it is filled with HF name → the exact blocks of every matrix the file stores in a
+    block type the integer GEMMs take (--quantization w4a8/w8a8/int4). Quantized serving without tensor
+    parallelism streams instead (gguf_stream.py): this path holds the whole model in `dtype`."""
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    reader, cfg, tokenizer = open_gguf(path)
     # llama.cpp only permutes q/k for the llama family (incl. mistral/smollm); qwen keeps HF layout.
     permuted = cfg.architecture == "llama"
 
@@ -176,13 +202,12 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, blocks: dict
         if t.name in _SKIP:
             continue
         name = hf_name(t.name)
-        if name is None:
-            raise ValueError(f"{path.name}: unexpected GGUF tensor {t.name!r} for architecture {cfg.architecture}")
-        arr = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(shapes[t.name]), dtype=np.float32)
+        shape = tensor_shape(t)
+        arr = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(shape), dtype=np.float32)
         if not arr.flags.writeable:  # F32 comes back as a view of the read-only mmap: own a copy
             arr = arr.copy()
         w = torch.from_numpy(arr)
-        codes = None if blocks is None else gguf_blocks(t.data, t.tensor_type.name, shapes[t.name])
+        codes = None if blocks is None else gguf_blocks(t.data, t.tensor_type.name, shape)
         if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             n = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
             w = unpermute_rotary(w, n)
@@ -192,6 +217,5 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, blocks: dict
             blocks[name] = codes
         weights[name] = w.to(dtype).contiguous()
         del arr, w
-    cfg = replace(cfg, eos_token_ids=tokenizer.eos_token_ids)
     log.info("loaded GGUF %s: %d tensors, %s", path.name, len(weights), cfg.architecture)
     return cfg, weights, tokenizer

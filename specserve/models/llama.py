@@ -6,6 +6,7 @@ One module for all three: the differences are config switches. Projections are f
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from .config import ModelConfig
 from . import fused
 from .forward_batch import ForwardBatch
+from .embedding import GGUFEmbedding
 from .quant import BlockQuantWeight, linear
 
 if TYPE_CHECKING:
@@ -154,31 +156,41 @@ class LlamaModel(nn.Module):
         self._stack: tuple[object, tuple | None] | None = None  # (first qkv weight, _layer_stack's result)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, GGUFEmbedding):  # the file's blocks, rows dequantized when gathered
+            return self.embed(ids)
         return F.embedding(ids, self.embed) if self.tp is None else self.tp.embed(ids, self.embed)
 
+    def embedding_table(self) -> torch.Tensor:
+        """The embedding as a dense [V, H] tensor (drafters sharing it, training)."""
+        return self.embed.dense() if isinstance(self.embed, GGUFEmbedding) else self.embed
+
     @torch.no_grad()
-    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights, fusing q|k|v and gate|up. Missing tensors raise KeyError naming them."""
+    def load_weights(self, sd: "Mapping[str, torch.Tensor]", matrices: bool = True) -> None:
+        """Load HF-named weights, fusing q|k|v and gate|up. Missing tensors raise KeyError naming them.
+        `matrices=False`: norms and biases only (the streaming GGUF load packs the matrices itself)."""
         cast = lambda name: sd[name].to(self.dtype)  # noqa: E731
-        self.embed.copy_(cast("model.embed_tokens.weight"))
         self.norm.copy_(cast("model.norm.weight"))
-        if not self.cfg.tie_word_embeddings:
-            self.lm_head.copy_(cast("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             layer.input_norm.copy_(cast(p + "input_layernorm.weight"))
             layer.post_norm.copy_(cast(p + "post_attention_layernorm.weight"))
-            layer.qkv_w.copy_(torch.cat([cast(a + f"{n}_proj.weight") for n in "qkv"]))
             if layer.qkv_b is not None:
                 layer.qkv_b.copy_(torch.cat([cast(a + f"{n}_proj.bias") for n in "qkv"]))
             if layer.q_norm is not None:
                 layer.q_norm.copy_(cast(a + "q_norm.weight"))
                 layer.k_norm.copy_(cast(a + "k_norm.weight"))
+            if not matrices:
+                continue
+            layer.qkv_w.copy_(torch.cat([cast(a + f"{n}_proj.weight") for n in "qkv"]))
             layer.o_w.copy_(cast(a + "o_proj.weight"))
             m = p + "mlp."
             layer.gate_up_w.copy_(torch.cat([cast(m + "gate_proj.weight"), cast(m + "up_proj.weight")]))
             layer.down_w.copy_(cast(m + "down_proj.weight"))
+        if matrices:
+            self.embed.copy_(cast("model.embed_tokens.weight"))
+            if not self.cfg.tie_word_embeddings:
+                self.lm_head.copy_(cast("lm_head.weight"))
 
     @torch.no_grad()
     def forward(

@@ -58,14 +58,19 @@ def load_checkpoint(name_or_path: str, dtype: torch.dtype = torch.float32, block
         from .gguf_loader import load_gguf
 
         cfg, weights, tok = load_gguf(path, dtype, blocks)
-        if not cfg.name:
-            cfg = replace(cfg, name=path.stem)
     else:
         cfg, weights, tok = _load_hf_dir(path, dtype)
-    # Stop on anything the config or the tokenizer calls end-of-sequence.
+    return finish_config(cfg, tok, path), weights, tok
+
+
+def finish_config(cfg: ModelConfig, tok: Tokenizer, path: Path) -> ModelConfig:
+    """Name a nameless GGUF after its file; stop on anything the config or the tokenizer calls
+    end-of-sequence; take BOS from the tokenizer when the config has none."""
+    if not cfg.name and path.is_file():
+        cfg = replace(cfg, name=path.stem)
     eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *tok.eos_token_ids)))
     bos = cfg.bos_token_id if cfg.bos_token_id is not None else tok.bos_token_id
-    return replace(cfg, eos_token_ids=eos, bos_token_id=bos), weights, tok
+    return replace(cfg, eos_token_ids=eos, bos_token_id=bos)
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

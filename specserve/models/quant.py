@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .gguf_blocks import BlockCodes
@@ -112,22 +114,37 @@ def linear(x: torch.Tensor, w: "torch.Tensor | QuantWeight", bias: torch.Tensor 
     return torch.nn.functional.linear(x, w, bias)
 
 
-def _codes(mode: str, w: torch.Tensor, file_codes: list[BlockCodes | None] | None) -> BlockCodes:
+def packed_nbytes(shape: tuple[int, int], bits: int) -> int:
+    """An upper bound of a packed [N, K] weight's bytes: codes plus fp32 scale and offset per block of 32."""
+    n, k = shape
+    return n * k * bits // 8 + 2 * 4 * n * (k // GROUP)
+
+
+def _codes(mode: str, file_codes: list[BlockCodes | None], dense: Callable[[], torch.Tensor]) -> BlockCodes:
     """The blocks for one (possibly fused) weight: the file's own when every part has them and the mode
     keeps them (w4a8 keeps 4- and 8-bit blocks; int4 keeps 4-bit; w8a8 keeps 8-bit), else quantized from
-    the float weight at the mode's width."""
+    the float weight (`dense()`, asked for only then) at the mode's width."""
     bits = 8 if mode == "w8a8" else 4
     if file_codes and all(c is not None for c in file_codes):
         kept = [c for c in file_codes if mode == "w4a8" or c.bits == bits]
         if len(kept) == len(file_codes):
             return cat_rows(kept)
-    return quantize_blocks(w, bits)
+    return quantize_blocks(dense(), bits)
 
 
-def quantize_model(model: torch.nn.Module, mode: str, blocks: dict[str, BlockCodes] | None = None) -> None:
-    """Swap every projection and the LM head of a loaded LlamaModel for quantized weights in place.
-    `blocks`: HF name → the GGUF file's exact blocks (from load_gguf); others are quantized here.
-    The embedding table stays dense (it is gathered, not multiplied)."""
+def check_quantizable(cfg: "ModelConfig", mode: str) -> None:  # noqa: F821
+    if cfg.is_hybrid:
+        raise ValueError(f"--quantization {mode}: not supported for {cfg.architecture} (hybrid recurrent) "
+                         f"targets; serve them unquantized (--dtype float32, bfloat16 or float64)")
+
+
+def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCodes] | Callable | None" = None,
+                   dense: Callable[[str], torch.Tensor] | None = None) -> None:
+    """Swap every projection and the LM head of a LlamaModel for quantized weights in place.
+    `blocks`: HF name → the GGUF file's exact blocks (a dict from load_gguf, or a lookup function), None
+    where the file has none. `dense`: HF name → the float weight, for weights the mode re-quantizes; without
+    it the model's own (loaded) float weights are used. With `dense`, the model's float matrices need not be
+    loaded at all (the streaming GGUF load). The embedding table stays as it is (it is gathered, not multiplied)."""
     if mode not in MODES:
         raise ValueError(f"--quantization: unknown {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "int4" and model.dtype not in (torch.float32, torch.bfloat16):
@@ -135,26 +152,35 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: dict[str, BlockCod
     if mode != "int4" and model.dtype != torch.float32:
         raise ValueError(f"--quantization {mode} runs with float32 activations around the integer GEMMs: "
                          "use --dtype float32 (or auto)")
-    blocks = blocks or {}
+    codes_of = blocks.get if isinstance(blocks, dict) else blocks or (lambda name: None)
     make = (lambda c: Int4Weight(c, model.dtype)) if mode == "int4" else BlockQuantWeight  # noqa: E731
+
+    def float_of(names: list[str], own: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return (lambda: torch.cat([dense(n) for n in names]).to(model.dtype)) if dense else (lambda: own)
+
     ok = Int4Weight.supported if mode == "int4" else BlockQuantWeight.supported
     for i, layer in enumerate(model.layers):
         for name, parts in _PARTS.items():
             w = getattr(layer, name)
+            names = [f"model.layers.{i}.{p}.weight" for p in parts]
             if not ok(w):
+                if dense:  # stays float: load it now
+                    w.copy_(float_of(names, w)())
                 continue
-            file_codes = [blocks.get(f"model.layers.{i}.{p}.weight") for p in parts]
+            file_codes = [codes_of(n) for n in names]
             delattr(layer, name)  # a Parameter slot cannot hold the packed weight
-            setattr(layer, name, make(_codes(mode, w, file_codes)))
+            setattr(layer, name, make(_codes(mode, file_codes, float_of(names, w))))
     key = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
-    head_codes = blocks.get(key)
+    head_codes = codes_of(key)
     if mode == "int4" and head_codes is not None and head_codes.bits == 8:
         # NOTE: re-quantizing the file's 8-bit head to 4 bits was int4's drift from fp32 (agreement 0.89 ->
         # 0.98); the head keeps its Q8_0 blocks through the w8a8 kernel (fp32 logits) instead.
         head = BlockQuantWeight(head_codes)
     elif ok(model.lm_head):
-        head = make(_codes(mode, model.lm_head, [head_codes]))
+        head = make(_codes(mode, [head_codes], float_of([key], model.lm_head)))
     else:
+        if dense and not model.cfg.tie_word_embeddings:
+            model.lm_head.copy_(dense(key))
         return
     del model.lm_head  # when tied, only the alias goes: the embedding stays registered
     model.lm_head = head

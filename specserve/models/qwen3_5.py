@@ -146,6 +146,9 @@ class Qwen35Model(nn.Module):
         self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
 
+    def embedding_table(self) -> torch.Tensor:
+        return self.embed
+
     @torch.no_grad()
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """HF names (`model.` or the multimodal `model.language_model.` prefix); (1 + w) norms folded."""

@@ -121,7 +121,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: Any) -> "Tokenizer":
-        """Build from a `gguf.GGUFReader`'s tokenizer metadata (byte-level BPE only)."""
+        """Build from a GGUF reader's tokenizer metadata (`gguf_file.GGUFFile` or `gguf.GGUFReader`) (byte-level BPE only)."""
         model = _field(reader, "tokenizer.ggml.model")
         if model != "gpt2":
             raise ValueError(

@@ -118,7 +118,7 @@ def init_from_target(net: DraftNet, target) -> None:  # noqa: ANN001
         if isinstance(head, torch.nn.Linear):
             head.weight.copy_(dense_head(target)[net.draft_ids].float())
         if hasattr(net, "mask_embed"):
-            net.mask_embed.copy_(target.embed.float().mean(0))
+            net.mask_embed.copy_(target.embedding_table().float().mean(0))
 
 
 def _drafter_config(a: argparse.Namespace, tcfg) -> DrafterConfig:  # noqa: ANN001

@@ -1,17 +1,19 @@
-"""`specserve bench {accept,speed,serving,verify,quality,gemm,step}`: acceptance tables, speed against baselines,
-serving load, ragged verify cost, quantized-model drift, quantized GEMM timings, step-time breakdown."""
+"""`specserve bench {accept,speed,real,serving,verify,quality,gemm,step}`: acceptance tables, speed against baselines,
+a real GGUF against llama.cpp (load, memory, decode, prefill), serving load, ragged verify cost, quantized-model drift, quantized GEMM timings, step-time breakdown."""
 from __future__ import annotations
 
 import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from . import accept, gemm, quality, serving, speed, step_time, verify_cost
+    from . import accept, gemm, quality, real, serving, speed, step_time, verify_cost
 
     b = sub.add_parser("bench", help="benchmarks: acceptance per workload, speed vs baselines")
     bs = b.add_subparsers(dest="bench_command", required=True)
     accept.add_args(bs.add_parser("accept", help="acceptance-length table per workload"))
     speed.add_args(bs.add_parser("speed", help="tokens/s of plain vs speculative vs HF/llama.cpp"))
+    real.add_args(bs.add_parser("real", help="a real GGUF vs llama.cpp, one process each: load, peak RSS, decode, "
+                                            "GB/s, prefill"))
     serving.add_args(bs.add_parser("serving", help="load generator against an OpenAI-compatible server"))
     verify_cost.add_args(bs.add_parser("verify", help="ragged verify forward: compact vs padded packing"))
     quality.add_args(bs.add_parser("quality", help="quantized modes vs fp32: top-1 agreement and perplexity"))
@@ -20,10 +22,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench(a: argparse.Namespace) -> None:
-    from . import accept, gemm, quality, serving, speed, step_time, verify_cost
+    from . import accept, gemm, quality, real, serving, speed, step_time, verify_cost
 
     try:
-        {"accept": accept.run, "speed": speed.run, "serving": serving.run, "verify": verify_cost.run,
+        {"accept": accept.run, "speed": speed.run, "real": real.run, "serving": serving.run, "verify": verify_cost.run,
          "quality": quality.run, "gemm": gemm.run, "step": step_time.run}[a.bench_command](a)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specserve: error: {e}") from None

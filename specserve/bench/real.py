@@ -1,0 +1,185 @@
+"""`specserve bench real`: a real GGUF as a user meets it, against llama.cpp on the same file.
+
+Each configuration runs in its own process (so load time and peak RSS are its own): load, decode the
+prompts at batch 1 (greedy, ignore_eos, the same token ids for every engine), then prefill one long prompt.
+Reported per configuration: load seconds, peak RSS, decode tok/s, weight bytes streamed per decoded token
+and the GB/s that implies (plain decoding is memory-bound: compare with the machine's streaming bandwidth,
+measured here too), prefill tok/s, acceptance length and whether the text equals plain decoding's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# NOTE: stdlib imports only at module level: a configuration's process runs this file as a script, so the
+# llama.cpp baseline's peak RSS holds neither torch nor specserve.
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from .common import add_prompt_args
+
+    add_prompt_args(p, default="mtbench")
+    p.add_argument("--configs", nargs="+", default=["llama.cpp", "plain", "AUTO"],
+                   help="llama.cpp, plain, or a --speculative-algorithm value (AUTO, STANDALONE, NGRAM...); "
+                        "engine flags given here (e.g. --speculative-draft-model-path) apply to every specserve config")
+    p.add_argument("--prefill-tokens", type=int, default=2000, help="length of the prefill probe (0: skip)")
+
+
+def stream_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """Best-of-N read bandwidth of a buffer far larger than the caches, with this process's threads."""
+    import torch
+
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def _child(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One configuration, in this (fresh) process."""
+    import resource
+
+    t0 = time.perf_counter()
+    if cfg["name"] == "llama.cpp":
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=cfg["path"], n_ctx=4096, n_threads=cfg["threads"], verbose=False)
+        load = time.perf_counter() - t0
+
+        def gen(ids: list[int], n: int) -> list[int]:
+            llm.reset()
+            out = []
+            for tok in llm.generate(ids, temp=0.0, reset=True):
+                out.append(int(tok))
+                if len(out) >= n:
+                    break
+            return out
+        weight_bytes, meta = cfg["file_weight_bytes"], {}
+    else:
+        from specserve.config import config_from_args
+        from specserve.core import SamplingParams
+        from specserve.engine.llm import LLM
+
+        a = argparse.Namespace(**cfg["args"])
+        a.speculative_algorithm = None if cfg["name"] == "plain" else cfg["name"]
+        llm = LLM.from_config(config_from_args(a, cfg["path"]))
+        load = time.perf_counter() - t0
+        meta = {"drafter": llm.engine.drafter.label if llm.engine.drafter else None,
+                "quantization": llm.engine.config.quantization}
+        stats = {"verify": 0, "accepted": 0}
+
+        def gen(ids: list[int], n: int) -> list[int]:
+            o = llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+            stats["verify"] += o.meta_info.get("spec_verify_ct", 0)
+            stats["accepted"] += o.meta_info.get("spec_accepted_tokens", 0)
+            return list(o.token_ids)
+        weight_bytes = streamed_weight_bytes(llm.engine.model)
+    gen(cfg["prompts"][0], 8)  # warm-up
+    if cfg["name"] != "llama.cpp":
+        stats.update(verify=0, accepted=0)
+    outs, t = [], time.perf_counter()
+    for ids in cfg["prompts"]:
+        outs.append(gen(ids, cfg["new_tokens"]))
+    decode_s = time.perf_counter() - t
+    n_tok = sum(len(o) for o in outs)
+    res = {"load_s": load, "decode_tok_s": n_tok / decode_s, "tokens": n_tok, "outputs": outs,
+           "weight_bytes_per_token": weight_bytes, **meta}
+    if cfg["name"] != "llama.cpp" and stats["verify"]:
+        res["accept_length"] = (stats["accepted"] + stats["verify"]) / stats["verify"]
+    if cfg["prefill"]:
+        t = time.perf_counter()
+        gen(cfg["prefill"], 1)
+        res["prefill_tok_s"] = len(cfg["prefill"]) / (time.perf_counter() - t)
+    res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return res
+
+
+def streamed_weight_bytes(model: Any) -> int:
+    """Bytes of every matrix a decode step multiplies (the embedding is gathered, not streamed)."""
+    import torch
+
+    total = 0
+    for layer in model.layers:
+        for a in ("qkv_w", "o_w", "gate_up_w", "down_w"):
+            total += _nbytes(getattr(layer, a))
+    head = model.lm_head
+    return total + (_nbytes(head) if not isinstance(head, torch.Tensor) or head is not model.embed else head.nbytes)
+
+
+def _nbytes(w: Any) -> int:
+    import torch
+
+    if isinstance(w, torch.Tensor):
+        return w.nbytes
+    return sum(t.nbytes for t in vars(w).values() if isinstance(t, torch.Tensor))
+
+
+def file_weight_bytes(path: str) -> int:
+    from ..models.gguf_file import GGUFFile
+
+    return sum(t.n_bytes for t in GGUFFile(path).tensors if t.name != "token_embd.weight")
+
+
+def run(a: argparse.Namespace) -> dict:
+    import torch
+
+    from ..models.gguf_file import GGUFFile
+    from ..models.loader import resolve_model_path
+    from ..models.tokenizer import Tokenizer
+    from .common import record, workloads
+
+    path = str(resolve_model_path(a.model or "smollm2-135m"))
+    tok = Tokenizer.from_gguf(GGUFFile(path))
+    prompts = [tok.encode(tok.apply_chat_template(c), add_special_tokens=False)
+               for convs in workloads(a).values() for c in convs]
+    filler = tok.encode("The quick brown fox jumps over the lazy dog. " * 400, add_special_tokens=False)
+    threads = a.num_threads or torch.get_num_threads()
+    args = {k: v for k, v in vars(a).items() if not callable(v)}
+    bw = stream_bandwidth_gbs()
+    results: dict[str, Any] = {"stream_bandwidth_gbs": bw}
+    for name in a.configs:
+        cfg = {"name": name, "path": path, "args": args, "threads": threads, "prompts": prompts,
+               "new_tokens": a.max_new_tokens, "prefill": filler[: a.prefill_tokens] if a.prefill_tokens else [],
+               "file_weight_bytes": file_weight_bytes(path)}
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        p = subprocess.run([sys.executable, str(Path(__file__).resolve())], input=json.dumps(cfg), text=True,
+                           capture_output=True, env=env)
+        if p.returncode != 0:
+            print(f"{name}: failed\n{p.stderr[-3000:]}")
+            results[name] = {"error": p.stderr[-3000:]}
+            continue
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        r["gb_s"] = r["weight_bytes_per_token"] * r["decode_tok_s"] / 1e9
+        results[name] = r
+    _summarize(results, a.configs)
+    path_out = record("real", a, results)
+    print(f"wrote {path_out}")
+    return results
+
+
+def _summarize(results: dict[str, Any], names: list[str]) -> None:
+    ok = [n for n in names if "error" not in results[n]]
+    base = results.get("llama.cpp", {}).get("decode_tok_s")
+    plain = results.get("plain", {}).get("outputs")
+    print(f"machine streaming bandwidth: {results['stream_bandwidth_gbs']:.1f} GB/s")
+    print(f"{'config':<12}{'load s':>8}{'peak GiB':>10}{'tok/s':>8}{'vs l.cpp':>9}{'GB/s':>7}{'prefill':>9}{'tau':>6}  text")
+    for n in ok:
+        r = results[n]
+        r["vs_llama_cpp"] = r["decode_tok_s"] / base if base else None
+        r["text_equals_plain"] = None if plain is None or n == "plain" else r["outputs"] == plain
+        print(f"{n:<12}{r['load_s']:>8.1f}{r['peak_rss_gib']:>10.2f}{r['decode_tok_s']:>8.1f}"
+              f"{(r['vs_llama_cpp'] or 0):>9.2f}{r['gb_s']:>7.1f}{r.get('prefill_tok_s', 0):>9.1f}"
+              f"{r.get('accept_length', 1.0):>6.2f}  {r['text_equals_plain']}")
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.stdin.read()))))

@@ -1,14 +1,19 @@
-"""torch.compile vs specserve's C++ ops for the layer's glue (the measurement behind the choice in
-docs/architecture.md, "Layer loop"). One decoder layer of SmolLM2-135M shapes, fp32, T = 1 and 8 rows:
+"""torch.compile vs specserve's C++ ops for the layer's glue (results: docs/benchmarks.md, "The fused ops
+against torch.compile"). One decoder layer of SmolLM2-135M shapes, fp32, T = 1 and 8 rows:
 residual add + RMSNorm, SiLU·up, RoPE. Reports the cold compile time of inductor (C++ backend,
 dynamic shapes) and the steady per-call time of: eager torch, the compiled function, our fused ops.
 
-    PYTHONPATH=. python bench/compile_probe.py
+    PYTHONPATH=. python bench/compile_probe.py [OUTPUT.json]
+
+The machine's 1-minute load average is recorded before and after (other processes on the cores inflate
+the times; the ratios suffer less).
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -52,7 +57,7 @@ def bench(fn, args, n=300) -> float:  # noqa: ANN001
 
 def main() -> None:
     load()
-    res = {"machine": machine()}
+    res = {"machine": machine(), "torch_threads": torch.get_num_threads(), "load_avg_1m_before": os.getloadavg()[0]}
     t0 = time.perf_counter()
     comp = torch.compile(glue, backend="inductor", dynamic=True)
     table = torch.randn(4096, HD)
@@ -65,7 +70,12 @@ def main() -> None:
             res["compile_cold_s"] = time.perf_counter() - t0
         res[f"T{T}"] = {"eager_us": bench(glue, (*args, cos, sin)), "compiled_us": bench(comp, (*args, cos, sin)),
                         "fused_ops_us": bench(fused, (*args, table, table, pos))}
-    print(json.dumps(res, indent=1))
+    res["load_avg_1m_after"] = os.getloadavg()[0]
+    out = json.dumps(res, indent=1)
+    print(out)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            f.write(out + "\n")
 
 
 if __name__ == "__main__":

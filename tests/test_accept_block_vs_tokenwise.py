@@ -1,7 +1,7 @@
 """Block verification accepts at least as many drafts as token-wise verification, on the binary toy of
-ALGORITHMS.md §2.4: the table of exact expected accepted counts is re-derived (closed form for
-token-wise, enumeration of the formulas for both rules) and matched by simulation, with block strictly
-ahead for γ ≥ 2 and equal in expectation for γ = 1.
+docs/speculative.md ("The rules as formulas", the worked case): the table of exact expected accepted counts
+is re-derived (closed form for token-wise, enumeration of the formulas for both rules) and matched by
+simulation, with block strictly ahead for γ ≥ 2 and equal in expectation for γ = 1.
 """
 from __future__ import annotations
 

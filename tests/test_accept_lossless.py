@@ -1,12 +1,12 @@
-"""Sampled acceptance rules are lossless: the emitted tokens are distributed exactly as plain sampling
-from p. Method (ALGORITHMS.md §1–§2): on toy *context-dependent* target/draft models over a small
-vocabulary, run many independent speculative rounds (draft γ tokens, verify with the rule under test,
-then complete the output to a fixed length L by sampling from the target) and compare the empirical
-joint of the first L tokens with the EXACT target joint obtained by enumeration; the total-variation
-distance must sit at the Monte-Carlo noise floor measured on the spot. A negative control (the classic
-bug "argmax draft, but ratio test against the draft softmax") shows the same threshold does catch a
-biased rule, and with one draft chain held fixed the law of (n accepted, correction/bonus y) must be
-exactly the formula's. Everything is seeded, so the outcome is deterministic.
+"""Sampled acceptance rules are lossless: the emitted tokens are distributed exactly as plain sampling from p.
+Method (docs/speculative.md, "The rules as formulas"): on toy *context-dependent* target/draft models over a
+small vocabulary, run many independent speculative rounds (draft γ tokens, verify with the rule under test,
+then complete the output to a fixed length L by sampling from the target) and compare the empirical joint of
+the first L tokens with the EXACT target joint obtained by enumeration; the total-variation distance must
+sit at the Monte-Carlo noise floor measured on the spot. A negative control (the classic bug "argmax draft,
+but ratio test against the draft softmax") shows the same threshold does catch a biased rule, and with one
+draft chain held fixed the law of (n accepted, correction/bonus y) must be exactly the formula's. Everything
+is seeded, so the outcome is deterministic.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What machine a benchmark ran on. NOTE: this VM changes CPU kind between sittings (AMD EPYC with
+"""What machine a benchmark ran on. NOTE: this VM changes CPU kind from one start to the next (AMD EPYC with
 AVX-512 BF16/VNNI; a Sapphire Rapids whose AMX faulted), so only ratios measured in one run
 compare; every result JSON carries this record."""
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Prompt sets from installed packages (MODELS.md) or any JSONL file. Each prompt is a list of chat
-messages (a user turn), so the chat template is applied exactly as the server applies it."""
+"""Prompt sets from installed packages (docs/usage.md, "Models, prompt sets and baselines") or any JSONL
+file. Each prompt is a list of chat messages (a user turn), so the chat template is applied exactly as the
+server applies it."""
 from __future__ import annotations
 
 import gzip

@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic draft trees on the chain runtime (EAGLE-3, MTP); ALGORITHMS.md §3.3.
+"""EAGLE-2 dynamic draft trees on the chain runtime (EAGLE-3, MTP); docs/speculative.md, "EAGLE-2 dynamic trees".
 
 Node score V(v) = Σ log q(token | ancestors) along its path (the log of the product of draft
 confidences): EAGLE drafts are calibrated, so exp V(v) ≈ P(v is accepted) and Σ_v exp V(v) ≈ the

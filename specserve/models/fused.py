@@ -2,8 +2,9 @@
 
 Per layer the fused path runs 4 linears and 5 ops: rms_norm (first layer) / add_rms_norm (residual add
 fused with the next norm), rope_kv_write (RoPE of q and k, K/V into the pool), paged_attention (ragged:
-no padded query rows or context entries) and silu_mul. Chosen over torch.compile by measurement
-(docs/benchmarks.md, "Step time"). When every projection is block-quantized (w4a8/w8a8, the default for a
+no padded query rows or context entries) and silu_mul. Measured against torch.compile on the same glue
+(docs/benchmarks.md, "The fused ops against torch.compile"): faster per call at 1 and 8 rows, with no
+compile time. When every projection is block-quantized (w4a8/w8a8, the default for a
 quantized GGUF) and nothing runs between the ops, the whole loop is one C++ op (`decoder_layers`,
 kernels/csrc/decoder.cpp) calling the same ops in the same order: bit-identical, without the interpreter. The pure-torch layer in llama.py stays as the reference the tests
 compare against and as the fallback when the extension cannot be built.

@@ -25,8 +25,8 @@ def choose_rule(greedy: bool, has_q: bool, configured: str) -> str:
 
 
 def _probs(x: torch.Tensor) -> torch.Tensor:
-    # at least fp32 (ALGORITHMS.md §1.1 note 2): a bf16 softmax does not sum to 1, and q.to(bf16)
-    # would round the fp32 q the draft was sampled from — both bias the ratio test
+    # at least fp32 (docs/speculative.md, "The rules as formulas", numerics): a bf16 softmax does not sum
+    # to 1, and q.to(bf16) would round the fp32 q the draft was sampled from — both bias the ratio test
     return torch.softmax(x.double() if x.dtype == torch.float64 else x.float(), dim=-1)
 
 

@@ -116,7 +116,8 @@ class CostPolicy(WindowPolicy):
     #: drafters stop a chain once it is < 20% likely to be accepted this far. NOTE: measured, not derived: the
     #: window maths verifies positions down to ~10% at batch 1, but the table's calibration (held-out chat) is
     #: ~20% optimistic on other text, and AUTO ran 1.198x plain at 0.02, 1.220-1.222x at 0.2-0.3 (batch 8: same);
-    #: stop 29, with the plain re-measurements of the gate thinned out: 1.337x at 0.3, 1.364x at 0.2, 1.373x at 0.15
+    #: with the gate's plain re-measurements thinned out (AUTO vs plain, batch 1): 1.337x at 0.3, 1.364x at 0.2,
+    #: 1.373x at 0.15
     floor = 0.2
     #: after this many plans in a row at one batch size that drafted nothing, that size skips planning ...
     IDLE_AFTER = 8

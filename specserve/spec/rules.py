@@ -95,7 +95,7 @@ def accept_block(p: torch.Tensor, q: torch.Tensor, draft: list[int], gen: torch.
 
 def walk_tree(dist: Callable[[int, list[int]], torch.Tensor], tokens: list[int], parents: list[int], greedy: bool,
               gen: torch.Generator | None) -> tuple[list[int], int]:
-    """Tree acceptance for deterministic children (ALGORITHMS.md §3.4 and §3.5 A), one request.
+    """Tree acceptance for deterministic children (docs/speculative.md, "The rules as formulas"), one request.
 
     dist(row, path_tokens): the processed target row at verify row `row` (0 = root, node i = i + 1)
     given the accepted path so far — logits at T = 0, probabilities otherwise. From the root: draw

@@ -58,7 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=640, help="training sequence length (prompt + response)")
     p.add_argument("--init-from", default=None,
                    help="start from this drafter artifact's weights and draft vocabulary (fine-tuning; carries a run "
-                        "across sittings): its geometry replaces --num-layers/--draft-vocab-size/--block-size/...")
+                        "across machines): its geometry replaces --num-layers/--draft-vocab-size/--block-size/...")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step")

@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(s)
     add_engine_args(s)
     from .bench import add_bench_parser
+    from .train.draft_vocab import add_args as add_vocab_args
     from .train.ngram_build import add_args as add_table_args
     from .train.trainer import add_args as add_train_args
 
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(t)
     n = sub.add_parser("build-ngram-table", help="build the corpus n-gram table NGRAM drafts from (see docs/training.md)")
     add_table_args(n)
+    v = sub.add_parser("build-draft-vocab", help="the N most frequent target tokens a draft model's LM head keeps "
+                                                 "(--speculative-draft-vocab; see docs/speculative.md)")
+    add_vocab_args(v)
     return parser
 
 
@@ -168,11 +172,11 @@ def main(argv: list[str] | None = None) -> None:
         from .bench import run_bench
 
         return run_bench(a)
-    if a.command in ("train-drafter", "build-ngram-table"):
-        from .train import ngram_build, trainer
+    if a.command in ("train-drafter", "build-ngram-table", "build-draft-vocab"):
+        from .train import draft_vocab, ngram_build, trainer
 
         try:
-            (trainer if a.command == "train-drafter" else ngram_build).run(a)
+            {"train-drafter": trainer, "build-ngram-table": ngram_build, "build-draft-vocab": draft_vocab}[a.command].run(a)
         except (ValueError, FileNotFoundError) as e:
             raise SystemExit(f"specserve: error: {e}") from None
         return None

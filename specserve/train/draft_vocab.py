@@ -80,9 +80,9 @@ def run(a: argparse.Namespace) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     (out / "README.md").write_text(
         f"# Reduced draft vocabulary ({ids.size} tokens)\n\n"
-        f"The {ids.size} most frequent token ids of {cfg['conversations']} ShareGPT training conversations "
+        f"The {a.size} most frequent token ids of {cfg['conversations']} ShareGPT training conversations "
         f"(benchmark prompts removed; {cfg['counted_tokens']:,} tokens through the chat template of "
-        f"`{path.name}`), plus the tokenizer's end-of-turn and BOS tokens. A draft model served with "
+        f"`{path.name}`), plus the tokenizer's end-of-turn and BOS tokens ({ids.size} in all). A draft model served with "
         f"`--speculative-draft-vocab` keeps only these rows of its LM head.\n\n"
         f"Coverage of {len(heldout)} held-out conversations' tokens: {coverage:.4f}.\n\n"
         f"Reproduce: `specserve build-draft-vocab {a.model} --out {a.out} --size {a.size} "

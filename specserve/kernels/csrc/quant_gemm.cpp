@@ -262,7 +262,7 @@ std::vector<at::Tensor> quantize_act(const at::Tensor& x, int64_t impl) { return
 // Column tiles [t0, t1) of y = x·Wᵀ on the VNNI or portable path (S: the scales' type).
 template <typename S>
 void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wpp, const S* wdp, const S* wmp, int64_t bits, bool vnni,
-                float* yp, int64_t n, int64_t t0, int64_t t1) {
+                float* yp, int64_t ldy, int64_t n, int64_t t0, int64_t t1) {
   const int64_t nb = a.nb, tile_bytes = nb * QK * NR * bits / 8;
   const bool has_m = wmp != nullptr;
   for (int64_t t = t0; t < t1; ++t) {
@@ -274,39 +274,64 @@ void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wpp, const S* wdp, cons
     const bool pf_on = tp < t1;
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
       const int64_t mr = std::min<int64_t>(MR, M - m0);
-      float* out = yp + m0 * n + t * NR;
+      float* out = yp + m0 * ldy + t * NR;
 #ifdef SPECSERVE_X86
       if (vnni) {
         const bool on = pf_on && m0 == 0;
         const uint8_t* pf = on ? wpp + tp * tile_bytes : nullptr;
         const S* pfd = on ? wdp + tp * nb * NR : nullptr;
         const S* pfm = on && has_m ? wmp + tp * nb * NR : nullptr;
-        if (bits == 4 && has_m) gemm_rows_vnni<4, true, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
-        else if (bits == 4) gemm_rows_vnni<4, false, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
-        else if (has_m) gemm_rows_vnni<8, true, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
-        else gemm_rows_vnni<8, false, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
+        if (bits == 4 && has_m) gemm_rows_vnni<4, true, S>(a, m0, mr, tw, td, tm, out, ldy, ncols, pf, pfd, pfm);
+        else if (bits == 4) gemm_rows_vnni<4, false, S>(a, m0, mr, tw, td, tm, out, ldy, ncols, pf, pfd, pfm);
+        else if (has_m) gemm_rows_vnni<8, true, S>(a, m0, mr, tw, td, tm, out, ldy, ncols, pf, pfd, pfm);
+        else gemm_rows_vnni<8, false, S>(a, m0, mr, tw, td, tm, out, ldy, ncols, pf, pfd, pfm);
         continue;
       }
 #endif
-      gemm_tile_portable(a, m0, mr, tw, td, tm, static_cast<int>(bits), out, n, ncols);
+      gemm_tile_portable(a, m0, mr, tw, td, tm, static_cast<int>(bits), out, ldy, ncols);
     }
   }
 }
 
-// x [M, K] float; wp packed codes [ntiles, nb, bytes]; wd/wm [ntiles, nb, 16] fp32 or fp16 → y [M, n] float.
-at::Tensor qgemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at::Tensor>& wm_,
-                 int64_t n, int64_t bits, int64_t impl) {
-  if (impl == FROM_ENV) impl = env_impl();
-  TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
-  const bool half = wd.scalar_type() == at::kHalf;
+// One weight (or row segment of a fused one): packed codes, scales, offsets; n columns written at column col.
+struct Seg {
+  const at::Tensor* wp; const at::Tensor* wd; const at::Tensor* wm; int64_t n, fmt, col, t0, ntiles;
+};
+
+Seg check_seg(const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at::Tensor>& wm, int64_t n, int64_t fmt,
+              int64_t K) {
+  using namespace specserve_quant;
+  TORCH_CHECK(fmt == F4 || fmt == F5 || fmt == F8 || fmt == K4 || fmt == K5 || fmt == K6,
+              "qgemm: fmt must be 4, 5, 8 (per-block codes) or 36, 37, 38 (Q4_K, Q5_K, Q6_K), got ", fmt);
+  const bool half = wd.scalar_type() == at::kHalf, kq = fmt & KQ;
   TORCH_CHECK(wp.dtype() == at::kByte && wp.is_contiguous() && (half || wd.dtype() == at::kFloat) && wd.is_contiguous(),
               "qgemm: packed weights must be contiguous uint8 codes and float32 or float16 scales");
-  const int64_t K = x.size(-1), nb = K / QK, ntiles = (n + NR - 1) / NR;
-  TORCH_CHECK(wd.numel() == ntiles * nb * NR && wp.numel() == ntiles * nb * QK * NR * bits / 8,
-              "qgemm: packed weight does not match K=", K, " n=", n);
-  const bool has_m = wm_.has_value() && wm_->defined();
-  if (has_m) TORCH_CHECK(wm_->dtype() == wd.dtype() && wm_->is_contiguous() && wm_->numel() == wd.numel(),
+  TORCH_CHECK(!kq || (half && K % 256 == 0), "qgemm: super-block formats need float16 scales and K % 256 == 0");
+  const int64_t nb = K / QK, ntiles = (n + NR - 1) / NR, rows = kq ? nb / 8 : nb;
+  const int64_t bytes = kq ? rows * sb_bytes(fmt) : nb * code_bytes(fmt);
+  TORCH_CHECK(wd.numel() == ntiles * rows * NR && wp.numel() == ntiles * bytes,
+              "qgemm: packed weight does not match K=", K, " n=", n, " fmt=", fmt);
+  const bool has_m = wm.has_value() && wm->defined();
+  if (has_m) TORCH_CHECK(wm->dtype() == wd.dtype() && wm->is_contiguous() && wm->numel() == wd.numel(),
                          "qgemm: offsets must have the scales' dtype and shape");
+  TORCH_CHECK(has_m || (fmt != K4 && fmt != K5), "qgemm: Q4_K/Q5_K need their dmin (wm)");
+  TORCH_CHECK(!has_m || fmt != K6, "qgemm: Q6_K has no offsets");
+  return Seg{&wp, &wd, has_m ? &*wm : nullptr, n, fmt, 0, 0, ntiles};
+}
+
+// y[:, seg.col : seg.col + seg.n] for every segment, one activation quantization, one parallel loop over all
+// column tiles. NOTE: the split over tiles (columns), and of rows between paths, never changes any element's
+// arithmetic. AMX takes F4/F8 segments; the other formats run on VNNI (or portable) whatever the path.
+at::Tensor qgemm_run(const at::Tensor& x, std::vector<Seg> segs, int64_t impl) {
+  if (impl == FROM_ENV) impl = env_impl();
+  const int64_t K = x.size(-1), nb = K / QK;
+  int64_t N = 0, T = 0;
+  bool k6 = false;
+  for (Seg& s : segs) {
+    s.col = N, s.t0 = T;
+    N += s.n, T += s.ntiles;
+    k6 = k6 || s.fmt == specserve_quant::K6;
+  }
   const at::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
   const bool vnni = use_vnni(impl), amx = M > 0 && use_amx(impl, M);
@@ -315,25 +340,61 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& wd
   const int64_t rest = amx && impl == AUTO && M > AMX_CHUNK && M % AMX_CHUNK <= VNNI_REST ? M % AMX_CHUNK : 0;
   const int64_t m_amx = M - rest;
   auto act = quantize_act_padded(x2, impl, amx && m_amx > AMX_CHUNK ? AMX_CHUNK : 1);
-  at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
-  const Acts a{act[0].data_ptr<int8_t>(), act[1].data_ptr<float>(), act[2].data_ptr<float>(),
-               act[3].data_ptr<int32_t>(), K, nb};
-  const uint8_t* wpp = wp.data_ptr<uint8_t>();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor lo;  // K6: Σ q_a over the first 16 of each block (exact int32)
+  if (k6) lo = act[0].view({M, nb, 2, 16}).select(2, 0).sum({-1}, false, at::kInt).contiguous();
+  Acts a{act[0].data_ptr<int8_t>(), act[1].data_ptr<float>(), act[2].data_ptr<float>(),
+         act[3].data_ptr<int32_t>(), K, nb};
+  if (k6) a.lo = lo.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  const Acts tail{a.q + m_amx * K, a.d + m_amx * nb, a.sa + m_amx * nb, a.sum + m_amx * nb, K, nb};
-  auto run = [&](auto* wdp, auto* wmp) {
-    // NOTE: the split over tiles (columns), and of rows between paths, never changes any element's arithmetic.
-    at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-      if (!amx) return gemm_tiles(a, M, wpp, wdp, wmp, bits, vnni, yp, n, t0, t1);
-      specserve_quant::gemm_tiles_amx(a, m_amx, wpp, wdp, wmp, static_cast<int>(bits), yp, n, t0, t1);
-      if (rest) gemm_tiles(tail, rest, wpp, wdp, wmp, bits, vnni, yp + m_amx * n, n, t0, t1);
-    });
+  Acts tail{a.q + m_amx * K, a.d + m_amx * nb, a.sa + m_amx * nb, a.sum + m_amx * nb, K, nb};
+  auto one = [&](const Seg& s, auto* wdp, auto* wmp, int64_t t0, int64_t t1) {
+    const uint8_t* wpp = s.wp->data_ptr<uint8_t>();
+    float* ys = yp + s.col;
+    if (s.fmt != specserve_quant::F4 && s.fmt != specserve_quant::F8)
+      return specserve_quant::gemm_tiles_fmt(a, M, static_cast<int>(s.fmt), wpp, wdp, wmp, vnni, ys, N, s.n, t0, t1);
+    if (!amx) return gemm_tiles(a, M, wpp, wdp, wmp, s.fmt, vnni, ys, N, s.n, t0, t1);
+    specserve_quant::gemm_tiles_amx(a, m_amx, wpp, wdp, wmp, static_cast<int>(s.fmt), ys, N, s.n, t0, t1);
+    if (rest) gemm_tiles(tail, rest, wpp, wdp, wmp, s.fmt, vnni, ys + m_amx * N, N, s.n, t0, t1);
   };
-  if (half) run(wd.data_ptr<at::Half>(), has_m ? wm_->data_ptr<at::Half>() : static_cast<at::Half*>(nullptr));
-  else run(wd.data_ptr<float>(), has_m ? wm_->data_ptr<float>() : static_cast<float*>(nullptr));
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (const Seg& s : segs) {
+      const int64_t lo_t = std::max(t0, s.t0) - s.t0, hi_t = std::min(t1, s.t0 + s.ntiles) - s.t0;
+      if (lo_t >= hi_t) continue;
+      if (s.wd->scalar_type() == at::kHalf)
+        one(s, s.wd->data_ptr<at::Half>(), s.wm ? s.wm->data_ptr<at::Half>() : static_cast<at::Half*>(nullptr), lo_t, hi_t);
+      else one(s, s.wd->data_ptr<float>(), s.wm ? s.wm->data_ptr<float>() : static_cast<float*>(nullptr), lo_t, hi_t);
+    }
+  });
   auto shape = x.sizes().vec();
-  shape.back() = n;
+  shape.back() = N;
   return y.view(shape);
+}
+
+// x [M, K] float; wp packed codes; wd/wm [ntiles, nb or nb/8, 16] fp32 or fp16 → y [M, n] float. fmt: quant_ref.py.
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at::Tensor>& wm,
+                 int64_t n, int64_t fmt, int64_t impl) {
+  return qgemm_run(x, {check_seg(wp, wd, wm, n, fmt, x.size(-1))}, impl);
+}
+
+// A fused weight of row segments: w = (wp, wd, wm?) per segment, dims = (n, fmt) per segment → y [M, Σ n].
+at::Tensor qgemm_segs(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, at::IntArrayRef dims,
+                      int64_t impl) {
+  const int64_t S = static_cast<int64_t>(dims.size()) / 2;
+  TORCH_CHECK(S > 0 && static_cast<int64_t>(w.size()) == 3 * S && static_cast<int64_t>(dims.size()) == 2 * S,
+              "qgemm_segs: 3 tensors and 2 dims per segment");
+  std::vector<at::Tensor> keep;  // List::get returns copies: hold them while the segments point at them
+  keep.reserve(3 * S);
+  for (int64_t i = 0; i < 3 * S; ++i) keep.push_back(w.get(i).value_or(at::Tensor()));
+  std::vector<c10::optional<at::Tensor>> wms;
+  for (int64_t i = 0; i < S; ++i) wms.push_back(keep[3 * i + 2].defined() ? c10::optional<at::Tensor>(keep[3 * i + 2]) : c10::nullopt);
+  std::vector<Seg> segs;
+  for (int64_t i = 0; i < S; ++i) {
+    Seg s = check_seg(keep[3 * i], keep[3 * i + 1], wms[i], dims[2 * i], dims[2 * i + 1], x.size(-1));
+    s.wm = wms[i].has_value() ? &*wms[i] : nullptr;
+    segs.push_back(s);
+  }
+  return qgemm_run(x, segs, impl);
 }
 
 std::string quant_isa() {
@@ -345,5 +406,6 @@ std::string quant_isa() {
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("quantize_act(Tensor x, int impl=-1) -> Tensor[]", &quantize_act);
   m.def("qgemm(Tensor x, Tensor wp, Tensor wd, Tensor? wm, int n, int bits, int impl=-1) -> Tensor", &qgemm);
+  m.def("qgemm_segs(Tensor x, Tensor?[] w, int[] dims, int impl=-1) -> Tensor", &qgemm_segs);
   m.def("quant_isa() -> str", &quant_isa);
 }

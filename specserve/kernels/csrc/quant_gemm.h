@@ -37,6 +37,14 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load_scales(cons
 }
 #endif
 
+// quant_gemm.cpp: the 4/8-bit kernels and activation quantization (portable or AVX-512-VNNI).
+bool have_vnni();
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum, bool vnni);
+void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits, bool vnni,
+                float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
+void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int bits,
+                bool vnni, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
+
 // True when the CPU has AMX-INT8 and Linux granted this process the tile-data state
 // (arch_prctl ARCH_REQ_XCOMP_PERM); asked once. False on other CPUs/OSes: callers use the VNNI path.
 bool amx_usable();

@@ -119,11 +119,10 @@ VNNI_TARGET __attribute__((always_inline)) inline __m512 bytes_ps(const uint8_t*
 }
 
 // R rows against one tile of 16 columns (quant_gemm.cpp's gemm_tile_vnni, for these formats). `pf`: a later
-// tile's bytes (tile_bytes of them, fetched a block's share at a time), `pfd`/`pfm` its scale arrays.
+// tile's bytes (fetched a block's share at a time), `pfd`/`pfm` its scale arrays.
 template <int R, int FMT, bool HAS_M, typename S>
 VNNI_TARGET void tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, const S* wd, const S* wm, float* out,
-                           int64_t ldo, int64_t ncols, const uint8_t* pf, const S* pfd, const S* pfm,
-                           int64_t tile_bytes) {
+                           int64_t ldo, int64_t ncols, const uint8_t* pf, const S* pfd, const S* pfm) {
   constexpr int BITS = FMT & 15;
   constexpr bool KQF = (FMT & KQ) != 0;
   const int64_t nb = a.nb;
@@ -133,7 +132,9 @@ VNNI_TARGET void tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, const S
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t sr = scale_row(FMT, b) * NR;
     if (pf) {
-      for (int64_t l = b * tile_bytes / nb & ~int64_t(63); l < (b + 1) * tile_bytes / nb; l += 64)
+      // a block's share of the tile's bytes (KQ: codes and scale codes): no division in the loop
+      constexpr int64_t share = KQF ? sb_bytes(FMT) / 8 : code_bytes(FMT);
+      for (int64_t l = b * share & ~int64_t(63); l < (b + 1) * share; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(pf + l), _MM_HINT_T1);
       if (!KQF || (b & 7) == 0) {
         _mm_prefetch(reinterpret_cast<const char*>(pfd + sr), _MM_HINT_T1);
@@ -191,9 +192,9 @@ VNNI_TARGET void tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, const S
 
 template <int FMT, bool HAS_M, typename S>
 void rows_vnni(int64_t mr, const Acts& a, int64_t m0, const uint8_t* wp, const S* wd, const S* wm, float* out,
-               int64_t ldo, int64_t ncols, const uint8_t* pf, const S* pfd, const S* pfm, int64_t tile_bytes) {
+               int64_t ldo, int64_t ncols, const uint8_t* pf, const S* pfd, const S* pfm) {
   switch (mr) {
-#define CASE(R) case R: tile_vnni<R, FMT, HAS_M, S>(a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm, tile_bytes); break;
+#define CASE(R) case R: tile_vnni<R, FMT, HAS_M, S>(a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
   }
@@ -201,16 +202,15 @@ void rows_vnni(int64_t mr, const Acts& a, int64_t m0, const uint8_t* wp, const S
 
 template <typename S>
 void dispatch_vnni(int fmt, bool has_m, int64_t mr, const Acts& a, int64_t m0, const uint8_t* wp, const S* wd,
-                   const S* wm, float* out, int64_t ldo, int64_t ncols, const uint8_t* pf, const S* pfd, const S* pfm,
-                   int64_t tb) {
+                   const S* wm, float* out, int64_t ldo, int64_t ncols, const uint8_t* pf, const S* pfd, const S* pfm) {
   switch (fmt) {
     case F5:
-      if (has_m) rows_vnni<F5, true, S>(mr, a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm, tb);
-      else rows_vnni<F5, false, S>(mr, a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm, tb);
+      if (has_m) rows_vnni<F5, true, S>(mr, a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm);
+      else rows_vnni<F5, false, S>(mr, a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm);
       break;
-    case K4: rows_vnni<K4, true, S>(mr, a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm, tb); break;
-    case K5: rows_vnni<K5, true, S>(mr, a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm, tb); break;
-    case K6: rows_vnni<K6, false, S>(mr, a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm, tb); break;
+    case K4: rows_vnni<K4, true, S>(mr, a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm); break;
+    case K5: rows_vnni<K5, true, S>(mr, a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm); break;
+    case K6: rows_vnni<K6, false, S>(mr, a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm); break;
   }
 }
 #endif
@@ -234,7 +234,7 @@ void tiles(const Acts& a, int64_t M, int fmt, const uint8_t* wp, const S* wd, co
       if (vnni) {
         const bool on = tp < t1 && m0 == 0;  // prefetched during the first row pass, if in this thread's range
         dispatch_vnni<S>(fmt, wm != nullptr, mr, a, m0, tw, td, tm, out, ldy, ncols, on ? wp + tp * tile_bytes : nullptr,
-                         on ? wd + tp * srows * NR : nullptr, on && wm ? wm + tp * srows * NR : nullptr, tile_bytes);
+                         on ? wd + tp * srows * NR : nullptr, on && wm ? wm + tp * srows * NR : nullptr);
         continue;
       }
 #endif

@@ -184,3 +184,34 @@ def test_cpp_layer_loop_with_mixed_formats(monkeypatch: pytest.MonkeyPatch) -> N
     py = run()
     assert all(bool(torch.isfinite(a).all()) for a in cpp)
     assert all(torch.equal(a, b) for a, b in zip(cpp, py)) and len(cpp) == len(py)
+
+
+def test_real_q4_k_m_tensors() -> None:
+    """Qwen2.5-Coder Q4_K_M files (when cached): Q4_K, Q6_K and Q5_0 tensors exact against gguf-py, and a fused
+    q|k|v of the file's own formats through the kernel equal to the reference."""
+    from pathlib import Path
+
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    root = Path.home() / ".cache" / "specserve" / "models"
+    files = [root / f"qwen2.5-coder-{s}-instruct-q4_k_m.gguf" for s in ("1.5b", "0.5b")]
+    if not all(f.exists() for f in files):
+        pytest.skip("Qwen2.5-Coder Q4_K_M GGUFs not cached")
+    seen = set()
+    for f in files:
+        tensors = {t.name: t for t in GGUFReader(f).tensors}
+        blk = [tensors[f"blk.0.attn_{p}.weight"] for p in "qkv"]
+        parts = []
+        for t in blk + [tensors["blk.0.ffn_down.weight"]]:
+            shape = tuple(int(s) for s in reversed(t.shape))
+            codes = gguf_blocks(t.data, t.tensor_type.name, shape, name=t.name)
+            ref = dequantize(t.data, t.tensor_type).reshape(shape)
+            assert np.array_equal(codes.dequantize().numpy(), ref), t.name
+            seen.add(t.tensor_type.name)
+            parts.append(codes)
+        fused = cat_rows(parts[:3])
+        x = _acts(3, fused.shape[1])
+        y = BlockQuantWeight(fused)(x)
+        assert torch.equal(y, qgemm_ref(x, *fused.blocks32()))
+    assert {"Q4_K", "Q6_K", "Q5_0"} <= seen

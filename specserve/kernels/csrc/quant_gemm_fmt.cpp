@@ -129,8 +129,15 @@ VNNI_TARGET void tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, const S
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  // KQ: the super-block's d and −dmin, converted once per 8 blocks. NOTE: (−dmin)·mn == −(dmin·mn) bit for bit
+  // (round to nearest even is sign-symmetric), the reference's order.
+  __m512 dsb = _mm512_setzero_ps(), msb = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t sr = scale_row(FMT, b) * NR;
+    if (KQF && (b & 7) == 0) {
+      dsb = load_scales(wd + sr);
+      if (HAS_M) msb = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(load_scales(wm + sr)), sign));
+    }
     if (pf) {
       // a block's share of the tile's bytes (KQ: codes and scale codes): no division in the loop
       constexpr int64_t share = KQF ? sb_bytes(FMT) / 8 : code_bytes(FMT);
@@ -147,7 +154,7 @@ VNNI_TARGET void tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, const S
     if constexpr (FMT == K6) {
       const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
       const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + NR)));
-      const __m512 dw = load_scales(wd + sr);
+      const __m512 dw = dsb;
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r, i = m * nb + b;
         const int32_t* qa = reinterpret_cast<const int32_t*>(a.q + m * a.K + b * QK);
@@ -164,11 +171,13 @@ VNNI_TARGET void tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, const S
       }
       continue;
     } else {
-      __m512 dw = load_scales(wd + sr), mw = _mm512_setzero_ps();
-      if (HAS_M) mw = load_scales(wm + sr);
+      __m512 dw, mw = _mm512_setzero_ps();
       if (KQF) {
-        dw = _mm512_mul_ps(dw, bytes_ps(sub, false));
-        mw = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(mw, bytes_ps(sub + NR, false))), sign));
+        dw = _mm512_mul_ps(dsb, bytes_ps(sub, false));
+        mw = _mm512_mul_ps(msb, bytes_ps(sub + NR, false));
+      } else {
+        dw = load_scales(wd + sr);
+        if (HAS_M) mw = load_scales(wm + sr);
       }
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r, i = m * nb + b;

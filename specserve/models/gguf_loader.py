@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-from .gguf_blocks import BlockCodes, gguf_blocks
+from .gguf_blocks import BlockCodes, UnsupportedBlockType, gguf_blocks
 from .registry import normalize_architecture
 from .tokenizer import Tokenizer
 
@@ -207,7 +207,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, blocks: dict
         if not arr.flags.writeable:  # F32 comes back as a view of the read-only mmap: own a copy
             arr = arr.copy()
         w = torch.from_numpy(arr)
-        codes = None if blocks is None else gguf_blocks(t.data, t.tensor_type.name, shape)
+        try:
+            codes = None if blocks is None else gguf_blocks(t.data, t.tensor_type.name, shape, t.name)
+        except UnsupportedBlockType:  # Q2_K/Q3_K: dequantized here, re-quantized by the mode
+            codes = None
         if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             n = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
             w = unpermute_rotary(w, n)

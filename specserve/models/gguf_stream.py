@@ -20,7 +20,7 @@ import torch
 
 from ..memory import available_memory_bytes, peak_rss_bytes
 from .embedding import GGUFEmbedding
-from .gguf_blocks import BlockCodes, gguf_blocks
+from .gguf_blocks import BlockCodes, UnsupportedBlockType, gguf_blocks
 from .gguf_loader import hf_name, open_gguf, tensor_shape, unpermute_rotary
 from .llama import LlamaModel
 from .loader import finish_config
@@ -55,7 +55,10 @@ class GGUFTensors(Mapping):
         t = self.by_name.get(name)
         if t is None:
             return None
-        c = gguf_blocks(t.data, t.tensor_type.name, tensor_shape(t))
+        try:
+            c = gguf_blocks(t.data, t.tensor_type.name, tensor_shape(t), t.name)
+        except UnsupportedBlockType:  # readable (dequantized), but no exact integer form: re-quantized alone
+            return None
         n = self._rows(name)
         # NOTE: a row permutation moves whole rows, so every block stays exact
         return c if c is None or n is None else c.rows(lambda r: unpermute_rotary(r, n).contiguous())
@@ -73,10 +76,10 @@ def resident_estimate(reader: Any) -> int:
     total = 0
     for t in reader.tensors:
         shape = tensor_shape(t)
-        if t.name == "token_embd.weight":
-            total += int(t.n_bytes)
-        elif len(shape) == 2:
-            total += packed_nbytes(shape, 8 if t.tensor_type.name in ("F32", "F16", "BF16", "Q8_0") else 4)
+        if len(shape) == 2 and t.tensor_type.name in ("F32", "F16", "BF16"):  # quantized here, at most 8-bit
+            total += packed_nbytes(shape, 8)
+        elif len(shape) == 2:  # packed formats stay within 15% of the file's bytes (Q4_0: its offsets)
+            total += int(t.n_bytes * 1.15)
         else:
             total += 4 * int(np.prod(shape))
     return total

@@ -258,10 +258,12 @@ class LlamaModel(nn.Module):
             weights: list[torch.Tensor | None] = []
             dims: list[int] = []
             for layer in self.layers:
-                for a in names:
-                    bw = getattr(layer, a)
-                    weights += [bw.wp, bw.wd, bw.wm]
-                    dims += [bw.shape[0], bw.bits]
+                for a in names:  # per projection: its row segments (a fused q|k|v may mix Q4_K and Q6_K)
+                    segs = getattr(layer, a).segments
+                    dims.append(len(segs))
+                    for wp, wd, wm, n, fmt in segs:
+                        weights += [wp, wd, wm]
+                        dims += [n, fmt]
                 weights += [layer.input_norm, layer.post_norm]
             stack = (weights, dims + [self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim])
         self._stack = (first, stack)

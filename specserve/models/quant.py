@@ -12,11 +12,12 @@
 from __future__ import annotations
 
 from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .gguf_blocks import BlockCodes
-from .quant_ref import pack
+from .quant_ref import KQ, pack, pack_kquant
 
 GROUP = 32
 MODES = ("int4", "w4a8", "w8a8")
@@ -42,26 +43,88 @@ def quantize_blocks(w: torch.Tensor, bits: int) -> BlockCodes:
     return BlockCodes(q.to(torch.int16).reshape(N, K), d, None, 8)
 
 
-def cat_rows(parts: list[BlockCodes]) -> BlockCodes:
-    """Concatenate along N (fused q|k|v, gate|up). Mixed kinds are widened exactly: 4-bit codes 0..15 are
-    valid 8-bit codes, and a missing offset is m = 0 (its term adds exactly 0)."""
+def _joinable(a: BlockCodes, b: BlockCodes) -> bool:
+    """Rows of a and b can share one packed segment exactly: per-block formats widen (4-bit codes 0..15 are valid
+    5- and 8-bit codes, 5-bit codes valid 8-bit ones; a missing offset is m = 0, which turns Q5_0's signed codes
+    into 8-bit ones), Q4_K joins Q5_K (same scales,
+    codes 0..15 are 5-bit codes); Q6_K only joins Q6_K."""
+    if a.kquant != b.kquant:
+        return False
+    return not a.kquant or (a.bits == 6) == (b.bits == 6)
+
+
+def _join(parts: list[BlockCodes]) -> BlockCodes:
     bits = max(p.bits for p in parts)
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    if parts[0].kquant:
+        return BlockCodes(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), cat([p.m for p in parts]),
+                          bits, torch.cat([p.sc for p in parts]), cat([p.mn for p in parts]))
     has_m = any(p.m is not None for p in parts)
+    if has_m and any(p.m is None and p.bits == 5 for p in parts):
+        bits = 8  # Q5_0's signed codes are valid int8 codes, not unsigned 5-bit ones
     ms = [(p.m if p.m is not None else torch.zeros_like(p.d)) for p in parts] if has_m else None
     return BlockCodes(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
                       torch.cat(ms) if ms else None, bits)
 
 
-class BlockQuantWeight:
-    """A [n, k] weight packed for `torch.ops.specserve.qgemm`. Call it like F.linear; returns fp32."""
+@dataclass
+class SegmentedCodes:
+    """A fused weight whose row segments have different formats (a Q4_K_M layer's q|k (Q4_K) | v (Q6_K)): the
+    kernel computes each segment's columns with its own format in one call (`qgemm_segs`)."""
+    parts: list[BlockCodes]
 
-    def __init__(self, codes: BlockCodes) -> None:
+    @property
+    def bits(self) -> int:
+        return max(p.bits for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.q.shape[0] for p in self.parts), self.parts[0].q.shape[1]
+
+    def blocks32(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return _join([BlockCodes(*p.blocks32(), p.bits) for p in self.parts]).blocks32()
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def cat_rows(parts: "list[BlockCodes | SegmentedCodes]") -> "BlockCodes | SegmentedCodes":
+    """Concatenate along N (fused q|k|v, gate|up). Runs of joinable parts (`_joinable`) become one segment;
+    a single segment is a BlockCodes, several a SegmentedCodes."""
+    flat = [q for p in parts for q in (p.parts if isinstance(p, SegmentedCodes) else [p])]
+    runs: list[list[BlockCodes]] = []
+    for p in flat:
+        if runs and _joinable(runs[-1][0], p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    segs = [_join(r) for r in runs]
+    return segs[0] if len(segs) == 1 else SegmentedCodes(segs)
+
+
+def pack_codes(c: BlockCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
+    """One segment for the kernel: (wp, wd, wm, n, fmt)."""
+    if c.kquant:
+        return (*pack_kquant(c.q, c.d, c.m, c.sc, c.mn, c.bits), c.q.shape[0], KQ | c.bits)
+    return (*pack(c.q, c.d, c.m, c.bits), c.q.shape[0], c.bits)
+
+
+class BlockQuantWeight:
+    """A [n, k] weight packed for `torch.ops.specserve.qgemm` (one segment) or `qgemm_segs` (several: columns of
+    each written by its own format). Call it like F.linear; returns fp32."""
+
+    def __init__(self, codes: "BlockCodes | SegmentedCodes") -> None:
         from .. import kernels
 
         kernels.load()
-        self.shape = tuple(codes.q.shape)
+        self.shape = tuple(codes.shape)
         self.bits = codes.bits
-        self.wp, self.wd, self.wm = pack(codes.q, codes.d, codes.m, codes.bits)
+        parts = codes.parts if isinstance(codes, SegmentedCodes) else [codes]
+        # NOTE: segments: [(wp, wd, wm, n, fmt)], what decoder_layers takes per projection
+        self.segments = [pack_codes(p) for p in parts]
+        self.wp, self.wd, self.wm, _, self.fmt = self.segments[0]
+        self._flat = [t for s in self.segments for t in s[:3]]
+        self._dims = [v for s in self.segments for v in s[3:]]
 
     @staticmethod
     def supported(w: torch.Tensor) -> bool:
@@ -71,22 +134,26 @@ class BlockQuantWeight:
         # NOTE: the kernel path comes from SPECSERVE_QUANT_IMPL = auto (AMX-INT8 from a row threshold where
         # the CPU has it, else AVX-512-VNNI, else portable) | portable | vnni | amx, read by the op at every
         # call so tests and benches can switch it; a forced path the CPU lacks raises
-        y = torch.ops.specserve.qgemm(x, self.wp, self.wd, self.wm, self.shape[0], self.bits)
+        if len(self.segments) == 1:
+            y = torch.ops.specserve.qgemm(x, self.wp, self.wd, self.wm, self.shape[0], self.fmt)
+        else:
+            y = torch.ops.specserve.qgemm_segs(x, self._flat, self._dims)
         return y if bias is None else y + bias
 
 
 class Int4Weight:
     """A [n, k] weight stored as 4-bit codes + per-group (scale, zero) for torch's int4 CPU kernel."""
 
-    def __init__(self, codes: BlockCodes, dtype: torch.dtype) -> None:
+    def __init__(self, codes: "BlockCodes | SegmentedCodes", dtype: torch.dtype) -> None:
         if codes.bits != 4:
             raise ValueError("int4 needs 4-bit blocks")
-        n, k = codes.q.shape
-        m = codes.m if codes.m is not None else torch.zeros_like(codes.d)
-        zero = m + 8 * codes.d  # kernel: (q − 8)·scale + zero == q·d + m
+        q, d, m = codes.blocks32()  # Q4_K: its per-block d·sc and −dmin·mn
+        n, k = q.shape
+        m = m if m is not None else torch.zeros_like(d)
+        zero = m + 8 * d  # kernel: (q − 8)·scale + zero == q·d + m
         self.shape, self.dtype = (n, k), dtype
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.q.to(torch.int32), 1)
-        self.scale_zero = torch.stack([codes.d.T, zero.T], dim=-1).to(dtype).contiguous()  # [k/32, n, 2]
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.scale_zero = torch.stack([d.T, zero.T], dim=-1).to(dtype).contiguous()  # [k/32, n, 2]
 
     @staticmethod
     def supported(w: torch.Tensor) -> bool:

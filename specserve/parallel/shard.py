@@ -77,11 +77,11 @@ def _block_rows(c: BlockCodes, r: tuple[int, int], per: int = 1) -> BlockCodes:
 
 def _block_cols(c: BlockCodes, r: tuple[int, int], per: int, name: str) -> BlockCodes:
     a, b = r[0] * per, r[1] * per
-    if a % GROUP or b % GROUP:
-        raise ValueError(f"--tp-size: {name} splits at input column {a if a % GROUP else b}, inside a quantized "
-                         f"block of {GROUP}; serve this model unquantized (--dtype float32) or with another --tp-size")
-    m = None if c.m is None else c.m[:, a // GROUP: b // GROUP].contiguous()
-    return BlockCodes(c.q[:, a:b].contiguous(), c.d[:, a // GROUP: b // GROUP].contiguous(), m, c.bits)
+    unit = 256 if c.kquant else GROUP  # a k-quant's scales are per super-block of 256
+    if a % unit or b % unit:
+        raise ValueError(f"--tp-size: {name} splits at input column {a if a % unit else b}, inside a quantized "
+                         f"block of {unit}; serve this model unquantized (--dtype float32) or with another --tp-size")
+    return c.cols(a, b)
 
 
 def shard_checkpoint(cfg: ModelConfig, layout: Layout, sd: dict[str, torch.Tensor],

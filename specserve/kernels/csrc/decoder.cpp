@@ -14,7 +14,9 @@
 
 namespace {
 
-constexpr int64_t PER_LAYER = 14;  // qkv, o, gate_up, down: (codes, scales, offsets?) each; input_norm, post_norm
+// Per layer, weights: qkv, o, gate_up, down as (codes, scales, offsets?) per row segment, then input_norm, post_norm;
+// dims: per projection the segment count S, then (n, fmt) per segment (a fused q|k|v may mix formats: Q4_K | Q6_K).
+constexpr int64_t PROJ = 4;
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> op(const char* name) {
@@ -30,10 +32,16 @@ using RopeSig = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at
                      const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&);
 using AddNormSig = at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 using SiluSig = at::Tensor(const at::Tensor&);
+using SegsSig = at::Tensor(const at::Tensor&, const c10::List<c10::optional<at::Tensor>>&, at::IntArrayRef, int64_t);
 
-// x: the residual stream [T, H] (updated in place); h = input_norm_0(x). weights: PER_LAYER per layer (offsets
-// may be None); dims: per layer (n, bits) of qkv, o, gate_up, down, then (heads, kv_heads, head_dim).
-// Returns the hidden states after the layers in `capture` (copies: x keeps changing).
+struct Proj {  // one projection: its segments' tensors and (n, fmt) pairs
+  c10::List<c10::optional<at::Tensor>> w;
+  std::vector<int64_t> dims;
+};
+struct Layer { Proj p[PROJ]; at::Tensor input_norm, post_norm; };
+
+// x: the residual stream [T, H] (updated in place); h = input_norm_0(x). weights, dims: per layer as above, then
+// dims (heads, kv_heads, head_dim). Returns the hidden states after the layers in `capture` (copies: x keeps changing).
 std::vector<at::Tensor> decoder_layers(at::Tensor& x, const at::Tensor& h0, const c10::List<c10::optional<at::Tensor>>& weights,
                                        at::IntArrayRef dims, const at::Tensor& cos, const at::Tensor& sin,
                                        const at::Tensor& positions, const at::Tensor& slot_mapping,
@@ -43,19 +51,35 @@ std::vector<at::Tensor> decoder_layers(at::Tensor& x, const at::Tensor& h0, cons
                                        const c10::optional<at::Tensor>& mask_start, bool causal, int64_t window,
                                        double scale, double eps, at::IntArrayRef capture) {
   static const auto qgemm = op<QgemmSig>("specserve::qgemm");
+  static const auto qgemm_segs = op<SegsSig>("specserve::qgemm_segs");
   static const auto attention = op<AttnSig>("specserve::paged_attention");
   static const auto rope_kv_write = op<RopeSig>("specserve::rope_kv_write");
   static const auto add_rms_norm = op<AddNormSig>("specserve::add_rms_norm");
   static const auto silu_mul = op<SiluSig>("specserve::silu_mul");
-  const int64_t L = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER && static_cast<int64_t>(dims.size()) == L * 8 + 3 &&
-                  static_cast<int64_t>(v_caches.size()) == L,
-              "decoder_layers: ", L, " layers need ", L * PER_LAYER, " weights and ", L * 8 + 3, " dims");
-  const int64_t nq = dims[L * 8], nkv = dims[L * 8 + 1], hd = dims[L * 8 + 2], T = x.size(0);
-  auto w = [&](int64_t i) -> at::Tensor { return weights.get(i).value(); };
+  const int64_t L = static_cast<int64_t>(k_caches.size()), nw = static_cast<int64_t>(weights.size());
+  const int64_t nd = static_cast<int64_t>(dims.size());
+  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L && nd >= 3, "decoder_layers: ", L, " layers, bad dims");
+  std::vector<Layer> layers(L);
+  int64_t wi = 0, di = 0;
+  for (Layer& l : layers) {
+    for (Proj& p : l.p) {
+      TORCH_CHECK(di < nd - 3, "decoder_layers: dims too short");
+      const int64_t S = dims[di++];
+      TORCH_CHECK(S > 0 && wi + 3 * S <= nw && di + 2 * S <= nd - 3, "decoder_layers: weights/dims do not match");
+      for (int64_t j = 0; j < 3 * S; ++j) p.w.push_back(weights.get(wi++));
+      p.dims.assign(dims.begin() + di, dims.begin() + di + 2 * S);
+      di += 2 * S;
+    }
+    TORCH_CHECK(wi + 2 <= nw, "decoder_layers: weights too short");
+    l.input_norm = weights.get(wi++).value();
+    l.post_norm = weights.get(wi++).value();
+  }
+  TORCH_CHECK(wi == nw && di == nd - 3, "decoder_layers: ", L, " layers do not use all weights and dims");
+  const int64_t nq = dims[nd - 3], nkv = dims[nd - 2], hd = dims[nd - 1], T = x.size(0);
   auto linear = [&](const at::Tensor& in, int64_t layer, int j) {
-    const int64_t base = layer * PER_LAYER + 3 * j;
-    return qgemm.call(in, w(base), w(base + 1), weights.get(base + 2), dims[layer * 8 + 2 * j], dims[layer * 8 + 2 * j + 1], -1);
+    const Proj& p = layers[layer].p[j];
+    if (p.dims.size() == 2) return qgemm.call(in, p.w.get(0).value(), p.w.get(1).value(), p.w.get(2), p.dims[0], p.dims[1], -1);
+    return qgemm_segs.call(in, p.w, p.dims, -1);
   };
   std::vector<at::Tensor> captured;
   at::Tensor h = h0;
@@ -67,9 +91,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor& x, const at::Tensor& h0, cons
     rope_kv_write.call(q, k, v, cos, sin, positions, kc, vc, slot_mapping);
     const at::Tensor o = linear(attention.call(q, kc, vc, q_start, positions, ctx_slots, ctx_start, ctx_first, mask,
                                                mask_start, causal, window, scale), i, 1);
-    h = add_rms_norm.call(x, o, w(i * PER_LAYER + 13), eps);
+    h = add_rms_norm.call(x, o, layers[i].post_norm, eps);
     const at::Tensor out = linear(silu_mul.call(linear(h, i, 2)), i, 3);
-    if (i + 1 < L) h = add_rms_norm.call(x, out, w((i + 1) * PER_LAYER + 12), eps);
+    if (i + 1 < L) h = add_rms_norm.call(x, out, layers[i + 1].input_norm, eps);
     else x.add_(out);
     if (std::find(capture.begin(), capture.end(), i) != capture.end()) captured.push_back(x.clone());
   }

@@ -9,7 +9,6 @@
 // agree bit for bit.
 #include "quant_gemm.h"
 
-#include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -191,78 +190,17 @@ VNNI_TARGET void gemm_rows_vnni(const Acts& a, int64_t m0, int64_t mr, const uin
   }
 }
 
-bool have_vnni() {
+bool cpu_vnni() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   return ok;
 }
 #else
-bool have_vnni() { return false; }
+bool cpu_vnni() { return false; }
 #endif
-
-// impl: 0 = best available, 1 = portable, 2 = AVX-512-VNNI only, 3 = AMX-INT8 for every M (tests and benches
-// force a path to compare them; a forced path the CPU lacks is an error, not a silent fallback);
-// -1 = from the environment, read at every call (cheap here, unlike os.environ from Python per linear):
-// SPECSERVE_QUANT_IMPL = auto | portable | vnni | amx; SPECSERVE_QUANT_PORTABLE=1 means portable.
-enum Impl : int64_t { FROM_ENV = -1, AUTO = 0, PORTABLE = 1, VNNI = 2, AMX = 3 };
-
-int64_t env_impl() {
-  const char* portable = std::getenv("SPECSERVE_QUANT_PORTABLE");
-  if (portable && *portable && std::strcmp(portable, "0") != 0) return PORTABLE;
-  const char* name = std::getenv("SPECSERVE_QUANT_IMPL");
-  if (!name || !*name || !std::strcmp(name, "auto")) return AUTO;
-  if (!std::strcmp(name, "portable")) return PORTABLE;
-  if (!std::strcmp(name, "vnni")) return VNNI;
-  if (!std::strcmp(name, "amx")) return AMX;
-  TORCH_CHECK(false, "SPECSERVE_QUANT_IMPL='", name, "': choose one of auto, portable, vnni, amx");
-}
-// AMX pays off from this many rows. At SmolLM2-135M's shapes it loses at M <= 6 (its fixed tile/expand
-// cost per block), is mixed at M = 8 (-8 %..+10 % per shape; no gain end to end for verify-8), and wins on
-// every shape from M = 12 (1.05-1.2x; 1.2-1.4x at M = 16).
-constexpr int64_t AMX_MIN_M = 12;
-constexpr int64_t AMX_CHUNK = 16;  // rows per AMX tile multiply (quant_gemm_amx.cpp: MT)
-constexpr int64_t VNNI_REST = 3;
-
-bool use_vnni(int64_t impl) {
-  TORCH_CHECK(impl >= AUTO && impl <= AMX, "qgemm: impl must be 0 (auto), 1 (portable), 2 (vnni) or 3 (amx)");
-  TORCH_CHECK(impl < VNNI || have_vnni(), "qgemm: this CPU has no AVX-512-VNNI");
-  return impl != PORTABLE && have_vnni();
-}
-
-bool use_amx(int64_t impl, int64_t M) {
-  if (impl == AMX) {
-    TORCH_CHECK(specserve_quant::amx_usable(), "qgemm: AMX-INT8 is not available (CPU or OS permission)");
-    return true;
-  }
-  return impl == AUTO && M >= AMX_MIN_M && have_vnni() && specserve_quant::amx_usable();
-}
-
-// pad_rows: q gets M rounded up to a multiple of it rows (zeros past M; the AMX path's contract), returned [M, K].
-std::vector<at::Tensor> quantize_act_padded(const at::Tensor& x_, int64_t impl, int64_t pad_rows) {
-  if (impl == FROM_ENV) impl = env_impl();
-  TORCH_CHECK(x_.dim() == 2 && x_.size(1) % QK == 0, "quantize_act: x must be [M, K] with K % 32 == 0");
-  const at::Tensor x = x_.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, padded = (M + pad_rows - 1) / pad_rows * pad_rows;
-  at::Tensor q = padded > M ? at::zeros({padded, K}, x.options().dtype(at::kChar)).narrow(0, 0, M)
-                            : at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor d = at::empty({M, nb}, x.options());
-  at::Tensor sa = at::empty({M, nb}, x.options());
-  at::Tensor sum = at::empty({M, nb}, x.options().dtype(at::kInt));
-  auto args = std::make_tuple(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                              sa.data_ptr<float>(), sum.data_ptr<int32_t>());
-#ifdef SPECSERVE_X86
-  if (use_vnni(impl)) { std::apply(quantize_rows_vnni, args); return {q, d, sa, sum}; }
-#endif
-  std::apply(quantize_rows_portable, args);
-  return {q, d, sa, sum};
-}
-
-std::vector<at::Tensor> quantize_act(const at::Tensor& x, int64_t impl) { return quantize_act_padded(x, impl, 1); }
-
-// Column tiles [t0, t1) of y = x·Wᵀ on the VNNI or portable path (S: the scales' type).
 template <typename S>
-void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wpp, const S* wdp, const S* wmp, int64_t bits, bool vnni,
-                float* yp, int64_t n, int64_t t0, int64_t t1) {
+void tiles48(const Acts& a, int64_t M, const uint8_t* wpp, const S* wdp, const S* wmp, int64_t bits, bool vnni,
+                float* yp, int64_t ldy, int64_t n, int64_t t0, int64_t t1) {
   const int64_t nb = a.nb, tile_bytes = nb * QK * NR * bits / 8;
   const bool has_m = wmp != nullptr;
   for (int64_t t = t0; t < t1; ++t) {
@@ -274,76 +212,46 @@ void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wpp, const S* wdp, cons
     const bool pf_on = tp < t1;
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
       const int64_t mr = std::min<int64_t>(MR, M - m0);
-      float* out = yp + m0 * n + t * NR;
+      float* out = yp + m0 * ldy + t * NR;
 #ifdef SPECSERVE_X86
       if (vnni) {
         const bool on = pf_on && m0 == 0;
         const uint8_t* pf = on ? wpp + tp * tile_bytes : nullptr;
         const S* pfd = on ? wdp + tp * nb * NR : nullptr;
         const S* pfm = on && has_m ? wmp + tp * nb * NR : nullptr;
-        if (bits == 4 && has_m) gemm_rows_vnni<4, true, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
-        else if (bits == 4) gemm_rows_vnni<4, false, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
-        else if (has_m) gemm_rows_vnni<8, true, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
-        else gemm_rows_vnni<8, false, S>(a, m0, mr, tw, td, tm, out, n, ncols, pf, pfd, pfm);
+        if (bits == 4 && has_m) gemm_rows_vnni<4, true, S>(a, m0, mr, tw, td, tm, out, ldy, ncols, pf, pfd, pfm);
+        else if (bits == 4) gemm_rows_vnni<4, false, S>(a, m0, mr, tw, td, tm, out, ldy, ncols, pf, pfd, pfm);
+        else if (has_m) gemm_rows_vnni<8, true, S>(a, m0, mr, tw, td, tm, out, ldy, ncols, pf, pfd, pfm);
+        else gemm_rows_vnni<8, false, S>(a, m0, mr, tw, td, tm, out, ldy, ncols, pf, pfd, pfm);
         continue;
       }
 #endif
-      gemm_tile_portable(a, m0, mr, tw, td, tm, static_cast<int>(bits), out, n, ncols);
+      gemm_tile_portable(a, m0, mr, tw, td, tm, static_cast<int>(bits), out, ldy, ncols);
     }
   }
 }
 
-// x [M, K] float; wp packed codes [ntiles, nb, bytes]; wd/wm [ntiles, nb, 16] fp32 or fp16 → y [M, n] float.
-at::Tensor qgemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at::Tensor>& wm_,
-                 int64_t n, int64_t bits, int64_t impl) {
-  if (impl == FROM_ENV) impl = env_impl();
-  TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
-  const bool half = wd.scalar_type() == at::kHalf;
-  TORCH_CHECK(wp.dtype() == at::kByte && wp.is_contiguous() && (half || wd.dtype() == at::kFloat) && wd.is_contiguous(),
-              "qgemm: packed weights must be contiguous uint8 codes and float32 or float16 scales");
-  const int64_t K = x.size(-1), nb = K / QK, ntiles = (n + NR - 1) / NR;
-  TORCH_CHECK(wd.numel() == ntiles * nb * NR && wp.numel() == ntiles * nb * QK * NR * bits / 8,
-              "qgemm: packed weight does not match K=", K, " n=", n);
-  const bool has_m = wm_.has_value() && wm_->defined();
-  if (has_m) TORCH_CHECK(wm_->dtype() == wd.dtype() && wm_->is_contiguous() && wm_->numel() == wd.numel(),
-                         "qgemm: offsets must have the scales' dtype and shape");
-  const at::Tensor x2 = x.reshape({-1, K});
-  const int64_t M = x2.size(0);
-  const bool vnni = use_vnni(impl), amx = M > 0 && use_amx(impl, M);
-  // Under AUTO, up to VNNI_REST rows past the last full AMX chunk go to VNNI: cheaper than a partial chunk's
-  // tile work (gate_up, M = 16 -> 17: +0.027 ms on AMX, a VNNI row 0.018). More rows: a zero-padded AMX chunk.
-  const int64_t rest = amx && impl == AUTO && M > AMX_CHUNK && M % AMX_CHUNK <= VNNI_REST ? M % AMX_CHUNK : 0;
-  const int64_t m_amx = M - rest;
-  auto act = quantize_act_padded(x2, impl, amx && m_amx > AMX_CHUNK ? AMX_CHUNK : 1);
-  at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
-  const Acts a{act[0].data_ptr<int8_t>(), act[1].data_ptr<float>(), act[2].data_ptr<float>(),
-               act[3].data_ptr<int32_t>(), K, nb};
-  const uint8_t* wpp = wp.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const Acts tail{a.q + m_amx * K, a.d + m_amx * nb, a.sa + m_amx * nb, a.sum + m_amx * nb, K, nb};
-  auto run = [&](auto* wdp, auto* wmp) {
-    // NOTE: the split over tiles (columns), and of rows between paths, never changes any element's arithmetic.
-    at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-      if (!amx) return gemm_tiles(a, M, wpp, wdp, wmp, bits, vnni, yp, n, t0, t1);
-      specserve_quant::gemm_tiles_amx(a, m_amx, wpp, wdp, wmp, static_cast<int>(bits), yp, n, t0, t1);
-      if (rest) gemm_tiles(tail, rest, wpp, wdp, wmp, bits, vnni, yp + m_amx * n, n, t0, t1);
-    });
-  };
-  if (half) run(wd.data_ptr<at::Half>(), has_m ? wm_->data_ptr<at::Half>() : static_cast<at::Half*>(nullptr));
-  else run(wd.data_ptr<float>(), has_m ? wm_->data_ptr<float>() : static_cast<float*>(nullptr));
-  auto shape = x.sizes().vec();
-  shape.back() = n;
-  return y.view(shape);
-}
-
-std::string quant_isa() {
-  return !have_vnni() ? "portable" : specserve_quant::amx_usable() ? "amx-int8+avx512vnni" : "avx512vnni";
-}
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(specserve, m) {
-  m.def("quantize_act(Tensor x, int impl=-1) -> Tensor[]", &quantize_act);
-  m.def("qgemm(Tensor x, Tensor wp, Tensor wd, Tensor? wm, int n, int bits, int impl=-1) -> Tensor", &qgemm);
-  m.def("quant_isa() -> str", &quant_isa);
+namespace specserve_quant {
+
+bool have_vnni() { return cpu_vnni(); }
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum, bool vnni) {
+#ifdef SPECSERVE_X86
+  if (vnni) return quantize_rows_vnni(x, M, K, q, d, sa, sum);
+#endif
+  quantize_rows_portable(x, M, K, q, d, sa, sum);
 }
+
+void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits, bool vnni,
+                float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1) {
+  tiles48(a, M, wp, wd, wm, bits, vnni, y, ldy, n, t0, t1);
+}
+void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int bits,
+                bool vnni, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1) {
+  tiles48(a, M, wp, wd, wm, bits, vnni, y, ldy, n, t0, t1);
+}
+
+}  // namespace specserve_quant

@@ -14,8 +14,14 @@ namespace specserve_quant {
 constexpr int QK = 32;   // block length along K
 constexpr int NR = 16;   // output columns per packed tile (one zmm lane each)
 
-struct Acts {  // one quantized activation matrix: q [M, K] int8, d/sa/sum [M, nb]
+// Weight formats (the op's `fmt`; quant_ref.py): per-block codes of 4, 5 or 8 bits; super-block (KQ) Q4_K, Q5_K, Q6_K.
+enum Fmt : int { F4 = 4, F5 = 5, F8 = 8, KQ = 32, K4 = KQ | 4, K5 = KQ | 5, K6 = KQ | 6 };
+constexpr int64_t code_bytes(int fmt) { return (fmt & 15) * 64; }   // per block of one 16-column tile
+constexpr int64_t sb_bytes(int fmt) { return 8 * (code_bytes(fmt) + 32); }  // KQ: codes + scale codes per 256
+
+struct Acts {  // one quantized activation matrix: q [M, K] int8, d/sa/sum [M, nb]; lo [M, nb]: Σ q_a, k < 16 (K6)
   const int8_t* q; const float* d; const float* sa; const int32_t* sum; int64_t K, nb;
+  const int32_t* lo = nullptr;
 };
 
 // Block scales d and offsets m are stored as fp32, or as fp16 when every value is exactly an fp16 (GGUF Q4_0/
@@ -31,6 +37,14 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load_scales(cons
 }
 #endif
 
+// quant_gemm.cpp: the 4/8-bit kernels and activation quantization (portable or AVX-512-VNNI).
+bool have_vnni();
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum, bool vnni);
+void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits, bool vnni,
+                float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
+void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int bits,
+                bool vnni, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
+
 // True when the CPU has AMX-INT8 and Linux granted this process the tile-data state
 // (arch_prctl ARCH_REQ_XCOMP_PERM); asked once. False on other CPUs/OSes: callers use the VNNI path.
 bool amx_usable();
@@ -39,9 +53,17 @@ bool amx_usable();
 // int32 and the fp32 epilogue is the VNNI path's, op for op: bit-identical to the other paths.
 // NOTE: for M > 16, a.q must hold M rounded up to a multiple of 16 rows (tile loads read whole 16-row chunks;
 // the padding rows' results are never used, whatever they hold). One per scale type (fp32, fp16).
+// y has row stride ldy (a segment of a wider output); n: this weight's columns.
 void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits,
-                    float* y, int64_t n, int64_t t0, int64_t t1);
+                    float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
 void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int bits,
-                    float* y, int64_t n, int64_t t0, int64_t t1);
+                    float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
+
+// Column tiles [t0, t1) of the formats F5, K4, K5, K6 (quant_gemm_fmt.cpp), portable or AVX-512-VNNI; same
+// contract as above. NOTE: the AMX path does not take these formats: the op routes them here (VNNI) always.
+void gemm_tiles_fmt(const Acts& a, int64_t M, int fmt, const uint8_t* wp, const float* wd, const float* wm,
+                    bool vnni, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
+void gemm_tiles_fmt(const Acts& a, int64_t M, int fmt, const uint8_t* wp, const at::Half* wd, const at::Half* wm,
+                    bool vnni, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
 
 }  // namespace specserve_quant

@@ -168,7 +168,7 @@ bool amx_usable() {
 namespace {
 template <typename S>
 AMX_TARGET void tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const S* wd, const S* wm,
-                          int bits, float* y, int64_t n, int64_t t0, int64_t t1) {
+                          int bits, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1) {
   // Row chunks of 16. For M > 16 the tiles stay 16 rows (configured once here; a reconfiguration per chunk
   // costs more than it saves): the last, partial chunk multiplies the zero rows that pad the activations to a
   // multiple of 16 (gemm_tiles_amx's contract) and runs its epilogue for its own rows only. NOTE: it used to
@@ -204,8 +204,8 @@ AMX_TARGET void tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const S* 
       t.aq = a.q + m0 * a.K;
       t.w = tw;
       t.corr = bits == 8 ? corr.data() + m0 * nb * NR : nullptr;
-      if (tm) rows_dispatch<true, S>(rows, a, m0, t, td, tm, y + m0 * n + tt * NR, n, ncols);
-      else rows_dispatch<false, S>(rows, a, m0, t, td, tm, y + m0 * n + tt * NR, n, ncols);
+      if (tm) rows_dispatch<true, S>(rows, a, m0, t, td, tm, y + m0 * ldy + tt * NR, ldy, ncols);
+      else rows_dispatch<false, S>(rows, a, m0, t, td, tm, y + m0 * ldy + tt * NR, ldy, ncols);
     }
   }
   _tile_release();  // lets the kernel skip saving ~8 KB of tile state at context switches
@@ -213,12 +213,12 @@ AMX_TARGET void tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const S* 
 }  // namespace
 
 void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits,
-                    float* y, int64_t n, int64_t t0, int64_t t1) {
-  tiles_amx(a, M, wp, wd, wm, bits, y, n, t0, t1);
+                    float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1) {
+  tiles_amx(a, M, wp, wd, wm, bits, y, ldy, n, t0, t1);
 }
 void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int bits,
-                    float* y, int64_t n, int64_t t0, int64_t t1) {
-  tiles_amx(a, M, wp, wd, wm, bits, y, n, t0, t1);
+                    float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1) {
+  tiles_amx(a, M, wp, wd, wm, bits, y, ldy, n, t0, t1);
 }
 
 }  // namespace specserve_quant
@@ -228,9 +228,9 @@ void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const at::Half*
 namespace specserve_quant {
 bool amx_usable() { return false; }
 void gemm_tiles_amx(const Acts&, int64_t, const uint8_t*, const float*, const float*, int, float*, int64_t, int64_t,
-                    int64_t) {}
-void gemm_tiles_amx(const Acts&, int64_t, const uint8_t*, const at::Half*, const at::Half*, int, float*, int64_t,
                     int64_t, int64_t) {}
+void gemm_tiles_amx(const Acts&, int64_t, const uint8_t*, const at::Half*, const at::Half*, int, float*, int64_t,
+                    int64_t, int64_t, int64_t) {}
 }  // namespace specserve_quant
 
 #endif

@@ -7,7 +7,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 
-from .parallel import engine_vs_exact_joint, tv_threshold
+from .dist import engine_vs_exact_joint, tv_threshold
 from .tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
 
 
@@ -112,3 +112,48 @@ def test_standalone_sampling_matches_target_distribution(tmp_path, rule: str) ->
     print(f"{rule}: TV {tv:.4f}, reference-sample TV {tv_ref:.4f}")
     assert tv <= tv_threshold(tv_ref), f"TV {tv:.4f} vs reference-sample TV {tv_ref:.4f}"
     assert sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0
+
+
+def test_standalone_draft_bigger_than_target_refused(dirs: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="the draft .* is bigger than the target"):
+        LLM(dirs["small"], dtype="float64", speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=dirs["target"])
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_standalone_reduced_draft_vocab_greedy_equals_plain(dirs: dict[str, str], tmp_path, k: int) -> None:  # noqa: ANN001
+    """A draft head cut to 40 of 97 tokens: drafts come from those 40 only, the output stays the target's."""
+    import json
+
+    import numpy as np
+
+    from specserve.drafters.draft_vocab import FILE, tokenizer_fingerprint
+    from specserve.models.loader import peek_checkpoint
+
+    _, tok = peek_checkpoint(dirs["small"])
+    keep = np.arange(0, 97, 2)[:40]
+    np.savez(tmp_path / FILE, ids=keep)
+    (tmp_path / "config.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(tok), "tokenizer_name": "t"}))
+    llm = _llm(dirs, "small", k, speculative_draft_vocab=str(tmp_path))
+    draft = llm.engine.drafter.runner.model
+    assert torch.equal(draft.head_ids, torch.from_numpy(keep)) and draft.lm_head.shape[0] == 40
+    g = torch.Generator().manual_seed(k)
+    prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (4,), generator=g)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference_greedy(llm.engine.model, p, 16)
+    logits = draft.compute_logits(torch.randn(2, draft.cfg.hidden_size, dtype=draft.dtype))
+    outside = torch.ones(97, dtype=torch.bool)
+    outside[keep] = False
+    assert logits.shape == (2, 97) and torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, keep]).all()
+
+
+def test_standalone_draft_vocab_of_another_tokenizer_refused(dirs: dict[str, str], tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    import numpy as np
+
+    np.savez(tmp_path / "draft_vocab.npz", ids=np.arange(10))
+    (tmp_path / "config.json").write_text(json.dumps({"tokenizer": "0" * 16, "tokenizer_name": "other"}))
+    with pytest.raises(ValueError, match="built for another tokenizer"):
+        _llm(dirs, "small", 2, speculative_draft_vocab=str(tmp_path))

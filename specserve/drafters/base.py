@@ -95,7 +95,7 @@ _CAP_FLAGS = {"block": ("speculative_block_size", "speculative_lattice_topk"),
               "draft_model": ("speculative_draft_model_path", "speculative_draft_dtype")}
 #: fields that only some algorithms use (every other speculative_* field applies to all of them)
 ALGORITHM_FLAGS = frozenset({n for names in _CAP_FLAGS.values() for n in names} | {
-    "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_ngram_table",
+    "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_ngram_table", "speculative_draft_vocab",
     "speculative_synthetic_accept_rate"})
 TREE_STEPS, TREE_NODES = 4, 8  # EAGLE-2 tree defaults: depth, nodes besides the root
 #: what AUTO resolves to (spec/resolve.py), first choice first: NGRAM over the corpus n-gram table shipped for

@@ -175,15 +175,31 @@ def build_draft_runner(ctx: DrafterContext, model: "LlamaModel") -> ModelRunner:
     return ModelRunner(model, ctx.kv_budget.draft_pool(cfg, model.dtype), states)
 
 
-@register_drafter("STANDALONE", Capabilities(samples=True, draft_model=True, needs_draft_model_path=True),
-                  aliases=("DRAFT_MODEL",))
-def _make(ctx: DrafterContext) -> Drafter:
+def load_draft_model(ctx: DrafterContext) -> "LlamaModel":
+    """The draft model of --speculative-draft-model-path, checked before any weight is read: the same
+    tokenizer as the target's, and not bigger than it. Quantized like the target when its dtype is the one the
+    quantization mode runs in; its LM head reduced to --speculative-draft-vocab (default: the vocabulary shipped
+    for the tokenizer, if any)."""
     from ..models import build_model, resolve_dtype
+    from ..models.loader import peek_checkpoint
+    from .draft_vocab import resolve_draft_vocab
 
     c = ctx.config
+    path = c.speculative_draft_model_path
+    cfg, tok = peek_checkpoint(path)
+    ctx.check_same_vocab(tok, cfg)
+    if cfg.num_params > ctx.target.cfg.num_params:
+        raise ValueError(f"--speculative-draft-model-path {path}: the draft ({cfg.num_params / 1e9:.3f}B parameters) "
+                         f"is bigger than the target ({ctx.target.cfg.num_params / 1e9:.3f}B); it cannot pay")
     dtype = ctx.draft_dtype(ctx.target.dtype)
-    # quantized like the target when its dtype is the one the quantization mode runs in
     quant = c.quantization if c.quantization and dtype == resolve_dtype("auto", c.quantization) else None
-    model, tok = build_model(c.speculative_draft_model_path, dtype, quant)
-    ctx.check_same_vocab(tok, model.cfg)
-    return StandaloneDrafter(build_draft_runner(ctx, model), ctx.greedy_draft)
+    ids = resolve_draft_vocab(c.speculative_draft_vocab or "auto", tok, cfg.vocab_size)
+    model, _ = build_model(path, dtype, quant, head_rows=None if ids is None else torch.from_numpy(ids))
+    return model
+
+
+@register_drafter("STANDALONE", Capabilities(samples=True, draft_model=True, needs_draft_model_path=True,
+                                             extra_flags=("speculative_draft_vocab",)),
+                  aliases=("DRAFT_MODEL",))
+def _make(ctx: DrafterContext) -> Drafter:
+    return StandaloneDrafter(build_draft_runner(ctx, load_draft_model(ctx)), ctx.greedy_draft)

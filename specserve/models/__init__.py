@@ -49,11 +49,12 @@ def default_quantization(name_or_path: str, dtype: str, quantization: str | None
     return "w4a8" if any(k.startswith("Q4") for k in kinds) else "w8a8" if "Q8_0" in kinds else None
 
 
-def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None = None, reserve_bytes: int = 0
-                ) -> tuple[LlamaModel, "Tokenizer"]:  # noqa: F821
+def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None = None, reserve_bytes: int = 0,
+                head_rows: torch.Tensor | None = None) -> tuple[LlamaModel, "Tokenizer"]:  # noqa: F821
     """Load a checkpoint (HF dir, .gguf, or alias) into our model class; returns (model, tokenizer).
     A quantized GGUF streams from the memory-mapped file straight into packed weights (gguf_stream.py),
-    after a check that it and `reserve_bytes` (the KV pools to come) fit in available memory."""
+    after a check that it and `reserve_bytes` (the KV pools to come) fit in available memory.
+    `head_rows`: sorted vocab ids the LM head keeps (a draft model's reduced vocabulary)."""
     from .loader import load_checkpoint, resolve_model_path
     from .quant import check_quantizable, quantize_model
 
@@ -61,7 +62,7 @@ def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None 
     if quantization and path.is_file() and path.suffix.lower() == ".gguf":
         from .gguf_stream import load_quantized_gguf
 
-        return load_quantized_gguf(path, quantization, dtype, reserve_bytes)
+        return load_quantized_gguf(path, quantization, dtype, reserve_bytes, head_rows)
 
     blocks: dict | None = {} if quantization else None
     cfg, state_dict, tokenizer = load_checkpoint(name_or_path, dtype, blocks)
@@ -71,7 +72,11 @@ def build_model(name_or_path: str, dtype: torch.dtype, quantization: str | None 
     model.load_weights(state_dict)
     del state_dict
     if quantization:
-        quantize_model(model, quantization, blocks)
+        quantize_model(model, quantization, blocks, head_rows=head_rows)
+    elif head_rows is not None:
+        if not isinstance(model, LlamaModel):
+            raise ValueError(f"a reduced draft vocabulary is not supported for {cfg.architecture} draft models")
+        model.restrict_head(head_rows)
     return model, tokenizer
 
 

@@ -52,6 +52,15 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     @property
+    def num_params(self) -> int:
+        """Parameters of a llama-family decoder of this geometry (attention + MLP + embedding and head): how
+        big a model is, for comparing a draft with its target before loading either."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * layer + heads * self.vocab_size * self.hidden_size
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token per dtype byte: attention layers x (k+v) x kv_heads x head_dim."""
         return len(self.attention_layers) * 2 * self.num_kv_heads * self.head_dim

@@ -93,10 +93,11 @@ def check_memory(need: int, what: str) -> None:
                           "available; free memory, lower --kv-cache-memory, or use a smaller model")
 
 
-def load_quantized_gguf(path: str | Path, mode: str, dtype: torch.dtype, reserve_bytes: int = 0
-                        ) -> tuple[LlamaModel, Tokenizer]:
+def load_quantized_gguf(path: str | Path, mode: str, dtype: torch.dtype, reserve_bytes: int = 0,
+                        head_rows: torch.Tensor | None = None) -> tuple[LlamaModel, Tokenizer]:
     """(model with packed projections and a block-stored embedding, tokenizer) for `--quantization mode`.
-    `reserve_bytes`: memory the caller will allocate next (the KV pools), counted in the check."""
+    `reserve_bytes`: memory the caller will allocate next (the KV pools), counted in the check.
+    `head_rows`: keep only these rows of the LM head (a draft model's reduced vocabulary)."""
     t0 = time.perf_counter()
     path = Path(path)
     reader, cfg, tok = open_gguf(path)
@@ -108,7 +109,7 @@ def load_quantized_gguf(path: str | Path, mode: str, dtype: torch.dtype, reserve
     # NOTE: parameters are torch.empty: their pages are never touched for the matrices swapped out below
     model = model_class(cfg.architecture)(cfg, dtype)
     model.load_weights(tensors, matrices=False)
-    quantize_model(model, mode, tensors.codes, dense=tensors.__getitem__)
+    quantize_model(model, mode, tensors.codes, dense=tensors.__getitem__, head_rows=head_rows)
     emb = tensors.by_name["model.embed_tokens.weight"]
     # a dense table in the file, or a tied head left float: the embedding stays a dense parameter
     if emb.tensor_type.name in ("F32", "F16", "BF16") or model.lm_head is model.embed:

@@ -153,6 +153,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
         self.tp: "TensorParallel | None" = None  # set by parallel.attach on a tensor-parallel shard
+        self.head_ids: torch.Tensor | None = None  # a reduced head (draft models): the vocab ids of its rows
         self._stack: tuple[object, tuple | None] | None = None  # (first qkv weight, _layer_stack's result)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -270,8 +271,22 @@ class LlamaModel(nn.Module):
         return stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in fp32 (or fp64 for fp64 models): sampling math never runs in bf16."""
+        """Logits in fp32 (or fp64 for fp64 models): sampling math never runs in bf16. A reduced head's logits
+        are scattered into the full vocabulary at −inf elsewhere: a token outside it has probability 0."""
         logits = linear(hidden, self.lm_head)
         if self.tp is not None:  # vocab-parallel head: the full rows on rank 0 only (elsewhere empty)
             logits = self.tp.gather_vocab(logits)
-        return logits if logits.dtype == torch.float64 else logits.float()
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        if self.head_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.head_ids, logits)
+
+    @torch.no_grad()
+    def restrict_head(self, ids: torch.Tensor) -> None:
+        """Keep only the head rows of `ids` (sorted vocab ids) on a float head; quantized heads are restricted
+        while they are packed (quantize_model's `head_rows`)."""
+        if not isinstance(self.lm_head, torch.Tensor) or self.tp is not None:
+            raise ValueError("restrict_head: the head is packed or sharded; restrict it while quantizing")
+        self.lm_head = nn.Parameter(self.lm_head[ids].clone(), requires_grad=False)  # tied: the embedding stays
+        self.head_ids = ids

@@ -73,6 +73,22 @@ def finish_config(cfg: ModelConfig, tok: Tokenizer, path: Path) -> ModelConfig:
     return replace(cfg, eos_token_ids=eos, bos_token_id=bos)
 
 
+def peek_checkpoint(name_or_path: str) -> tuple[ModelConfig, Tokenizer]:
+    """(config, tokenizer) without loading any weight: checks that must refuse before a load starts."""
+    path = resolve_model_path(name_or_path)
+    if path.is_file():
+        from .gguf_loader import open_gguf
+
+        _, cfg, tok = open_gguf(path)
+    else:
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{path} is not an HF model directory: missing config.json")
+        cfg = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text(encoding="utf-8")), name=path.name)
+        tok = Tokenizer.from_hf_dir(path)
+    return finish_config(cfg, tok, path), tok
+
+
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     from safetensors.torch import load_file
 

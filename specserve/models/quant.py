@@ -206,12 +206,13 @@ def check_quantizable(cfg: "ModelConfig", mode: str) -> None:  # noqa: F821
 
 
 def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCodes] | Callable | None" = None,
-                   dense: Callable[[str], torch.Tensor] | None = None) -> None:
+                   dense: Callable[[str], torch.Tensor] | None = None, head_rows: torch.Tensor | None = None) -> None:
     """Swap every projection and the LM head of a LlamaModel for quantized weights in place.
     `blocks`: HF name → the GGUF file's exact blocks (a dict from load_gguf, or a lookup function), None
     where the file has none. `dense`: HF name → the float weight, for weights the mode re-quantizes; without
     it the model's own (loaded) float weights are used. With `dense`, the model's float matrices need not be
-    loaded at all (the streaming GGUF load). The embedding table stays as it is (it is gathered, not multiplied)."""
+    loaded at all (the streaming GGUF load). The embedding table stays as it is (it is gathered, not multiplied).
+    `head_rows`: sorted vocab ids; the LM head keeps only those rows (a draft model's reduced vocabulary)."""
     if mode not in MODES:
         raise ValueError(f"--quantization: unknown {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "int4" and model.dtype not in (torch.float32, torch.bfloat16):
@@ -238,13 +239,20 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCo
             delattr(layer, name)  # a Parameter slot cannot hold the packed weight
             setattr(layer, name, make(_codes(mode, file_codes, float_of(names, w))))
     key = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
-    head_codes = codes_of(key)
+    head_codes, head_float = codes_of(key), float_of([key], model.lm_head)
+    if head_rows is not None:
+        pick = lambda r: r[head_rows].contiguous()  # noqa: E731  whole rows: every block stays exact
+        head_codes = None if head_codes is None else head_codes.rows(pick)
+        head_float = (lambda full: lambda: pick(full()))(head_float)
+        model.head_ids = head_rows
     if mode == "int4" and head_codes is not None and head_codes.bits == 8:
         # NOTE: re-quantizing the file's 8-bit head to 4 bits was int4's drift from fp32 (agreement 0.89 ->
         # 0.98); the head keeps its Q8_0 blocks through the w8a8 kernel (fp32 logits) instead.
         head = BlockQuantWeight(head_codes)
     elif ok(model.lm_head):
-        head = make(_codes(mode, [head_codes], float_of([key], model.lm_head)))
+        head = make(_codes(mode, [head_codes], head_float))
+    elif head_rows is not None:
+        head = torch.nn.Parameter(head_float(), requires_grad=False)
     else:
         if dense and not model.cfg.tie_word_embeddings:
             model.lm_head.copy_(dense(key))

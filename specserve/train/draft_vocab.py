@@ -1,47 +1,18 @@
-"""`specserve build-draft-vocab`: the N target tokens a draft model's LM head keeps (a reduced draft vocabulary).
-
-A 0.5B draft's head over Qwen2.5's 151,936 tokens is ~37% of the bytes it streams per draft token; the N most
-frequent tokens of real conversations cover almost every token it would draft. Lossless: drafts are only
-proposals; a draft model with a reduced head proposes from those N tokens (its q is 0 elsewhere), and the
-target's verification keeps the output distribution exact whatever q is.
+"""`specserve build-draft-vocab`: count the target tokens of real conversations, keep the N most frequent.
 
 Data: ShareGPT conversations with the benchmark prompts removed (train/corpus.py), rendered through the
-chat template (assistant and user turns alike); special tokens the tokenizer ends turns with are always kept.
-Writes `<out>/draft_vocab.npz` (sorted ids), `<out>/config.json` (size, tokenizer fingerprint, coverage)
-and `<out>/README.md` (the model card).
+chat template (assistant and user turns alike); the tokenizer's end-of-turn and BOS tokens are always kept.
+The result is read by drafters/draft_vocab.py (format there).
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 
-FILE = "draft_vocab.npz"
-
-
-def tokenizer_fingerprint(tok: object) -> str:
-    """Which token ids mean which strings: a digest of the vocabulary, so a vocabulary is only ever applied to
-    the tokenizer it was counted with."""
-    vocab = tok.backend.get_vocab(with_added_tokens=True)  # type: ignore[attr-defined]
-    h = hashlib.sha256()
-    for piece, i in sorted(vocab.items(), key=lambda kv: kv[1]):
-        h.update(f"{i}\t{piece}\n".encode())
-    return h.hexdigest()[:16]
-
-
-def load_draft_vocab(path: str | Path, tok: object, vocab_size: int) -> np.ndarray:
-    """Sorted target ids of a built draft vocabulary; refuses one counted with another tokenizer."""
-    path = Path(path)
-    cfg = json.loads((path / "config.json").read_text())
-    if cfg["tokenizer"] != tokenizer_fingerprint(tok):
-        raise ValueError(f"--speculative-draft-vocab {path}: built for another tokenizer ({cfg['tokenizer_name']})")
-    ids = np.load(path / FILE)["ids"]
-    if ids.size == 0 or int(ids.max()) >= vocab_size or np.any(np.diff(ids) <= 0):
-        raise ValueError(f"--speculative-draft-vocab {path}: ids must be sorted, unique and below {vocab_size}")
-    return ids
+from ..drafters.draft_vocab import FILE, tokenizer_fingerprint
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

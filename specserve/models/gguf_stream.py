@@ -20,8 +20,9 @@ import torch
 
 from ..memory import available_memory_bytes, peak_rss_bytes
 from .embedding import GGUFEmbedding
-from .gguf_blocks import BlockCodes, UnsupportedBlockType, gguf_blocks
+from .gguf_blocks import NATIVE
 from .gguf_loader import hf_name, open_gguf, tensor_shape, unpermute_rotary
+from .gguf_repack import RawBlocks
 from .llama import LlamaModel
 from .loader import finish_config
 from .quant import check_quantizable, packed_nbytes, quantize_model
@@ -51,17 +52,20 @@ class GGUFTensors(Mapping):
         n = self._rows(name)
         return w if n is None else unpermute_rotary(w, n).contiguous()
 
-    def codes(self, name: str) -> BlockCodes | None:
+    def codes(self, name: str) -> RawBlocks | None:
+        """The file's blocks, unconverted: `quantize_model` packs them straight from the map (C++)."""
         t = self.by_name.get(name)
         if t is None:
             return None
-        try:
-            c = gguf_blocks(t.data, t.tensor_type.name, tensor_shape(t), t.name)
-        except UnsupportedBlockType:  # readable (dequantized), but no exact integer form: re-quantized alone
+        qtype, shape = t.tensor_type.name, tensor_shape(t)
+        # float tensors stay dense; other block types are readable (dequantized) but have no exact integer
+        # form: re-quantized alone
+        if qtype not in NATIVE or len(shape) != 2:
             return None
         n = self._rows(name)
         # NOTE: a row permutation moves whole rows, so every block stays exact
-        return c if c is None or n is None else c.rows(lambda r: unpermute_rotary(r, n).contiguous())
+        order = None if n is None else unpermute_rotary(torch.arange(shape[0]), n).contiguous()
+        return RawBlocks(t.data, qtype, shape, order, t.name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.by_name)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .gguf_blocks import BlockCodes
+from .gguf_repack import RawBlocks, concat_packed
 from .quant_ref import KQ, pack, pack_kquant
 
 GROUP = 32
@@ -92,14 +93,19 @@ def cat_rows(parts: "list[BlockCodes | SegmentedCodes]") -> "BlockCodes | Segmen
     """Concatenate along N (fused q|k|v, gate|up). Runs of joinable parts (`_joinable`) become one segment;
     a single segment is a BlockCodes, several a SegmentedCodes."""
     flat = [q for p in parts for q in (p.parts if isinstance(p, SegmentedCodes) else [p])]
-    runs: list[list[BlockCodes]] = []
-    for p in flat:
+    segs = [_join(r) for r in _runs(flat)]
+    return segs[0] if len(segs) == 1 else SegmentedCodes(segs)
+
+
+def _runs(parts: list) -> list[list]:
+    """Consecutive joinable parts (`_joinable`: BlockCodes or RawBlocks) grouped: one segment each."""
+    runs: list[list] = []
+    for p in parts:
         if runs and _joinable(runs[-1][0], p):
             runs[-1].append(p)
         else:
             runs.append([p])
-    segs = [_join(r) for r in runs]
-    return segs[0] if len(segs) == 1 else SegmentedCodes(segs)
+    return runs
 
 
 def pack_codes(c: BlockCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
@@ -117,11 +123,23 @@ class BlockQuantWeight:
         from .. import kernels
 
         kernels.load()
-        self.shape = tuple(codes.shape)
-        self.bits = codes.bits
         parts = codes.parts if isinstance(codes, SegmentedCodes) else [codes]
+        self._set(tuple(codes.shape), [pack_codes(p) for p in parts])
+
+    @classmethod
+    def from_gguf(cls, parts: list[RawBlocks]) -> "BlockQuantWeight":
+        """GGUF tensors (rows concatenated, as cat_rows) packed from the file's bytes by the C++ op: equal to
+        BlockQuantWeight(cat_rows([p.codes() for p in parts])) bit for bit, without the BlockCodes."""
+        segs = [concat_packed(r) or pack_codes(_join([p.codes() for p in r])) for r in _runs(parts)]
+        w = cls.__new__(cls)
+        w._set((sum(s[3] for s in segs), parts[0].shape[1]), segs)
+        return w
+
+    def _set(self, shape: tuple[int, int], segments: list) -> None:
+        self.shape = shape
+        self.bits = max(fmt & ~KQ for *_, fmt in segments)  # cat_rows' .bits: the widest segment's code bits
         # NOTE: segments: [(wp, wd, wm, n, fmt)], what decoder_layers takes per projection
-        self.segments = [pack_codes(p) for p in parts]
+        self.segments = segments
         self.wp, self.wd, self.wm, _, self.fmt = self.segments[0]
         self._flat = [t for s in self.segments for t in s[:3]]
         self._dims = [v for s in self.segments for v in s[3:]]
@@ -187,16 +205,24 @@ def packed_nbytes(shape: tuple[int, int], bits: int) -> int:
     return n * k * bits // 8 + 2 * 4 * n * (k // GROUP)
 
 
-def _codes(mode: str, file_codes: list[BlockCodes | None], dense: Callable[[], torch.Tensor]) -> BlockCodes:
+def _codes(mode: str, file_codes: "list[BlockCodes | RawBlocks | None]", dense: Callable[[], torch.Tensor]
+           ) -> "BlockCodes | SegmentedCodes | list[RawBlocks]":
     """The blocks for one (possibly fused) weight: the file's own when every part has them and the mode
     keeps them (w4a8 keeps 4- and 8-bit blocks; int4 keeps 4-bit; w8a8 keeps 8-bit), else quantized from
-    the float weight (`dense()`, asked for only then) at the mode's width."""
+    the float weight (`dense()`, asked for only then) at the mode's width. Raw GGUF parts stay raw for
+    the block kernel (`BlockQuantWeight.from_gguf`)."""
     bits = 8 if mode == "w8a8" else 4
     if file_codes and all(c is not None for c in file_codes):
         kept = [c for c in file_codes if mode == "w4a8" or c.bits == bits]
         if len(kept) == len(file_codes):
-            return cat_rows(kept)
+            if mode != "int4" and all(isinstance(c, RawBlocks) for c in kept):
+                return kept
+            return cat_rows([c.codes() if isinstance(c, RawBlocks) else c for c in kept])
     return quantize_blocks(dense(), bits)
+
+
+def _block_weight(c: "BlockCodes | SegmentedCodes | list[RawBlocks]") -> BlockQuantWeight:
+    return BlockQuantWeight.from_gguf(c) if isinstance(c, list) else BlockQuantWeight(c)
 
 
 def check_quantizable(cfg: "ModelConfig", mode: str) -> None:  # noqa: F821
@@ -221,7 +247,7 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCo
         raise ValueError(f"--quantization {mode} runs with float32 activations around the integer GEMMs: "
                          "use --dtype float32 (or auto)")
     codes_of = blocks.get if isinstance(blocks, dict) else blocks or (lambda name: None)
-    make = (lambda c: Int4Weight(c, model.dtype)) if mode == "int4" else BlockQuantWeight  # noqa: E731
+    make = (lambda c: Int4Weight(c, model.dtype)) if mode == "int4" else _block_weight  # noqa: E731
 
     def float_of(names: list[str], own: torch.Tensor) -> Callable[[], torch.Tensor]:
         return (lambda: torch.cat([dense(n) for n in names]).to(model.dtype)) if dense else (lambda: own)
@@ -248,7 +274,7 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCo
     if mode == "int4" and head_codes is not None and head_codes.bits == 8:
         # NOTE: re-quantizing the file's 8-bit head to 4 bits was int4's drift from fp32 (agreement 0.89 ->
         # 0.98); the head keeps its Q8_0 blocks through the w8a8 kernel (fp32 logits) instead.
-        head = BlockQuantWeight(head_codes)
+        head = _block_weight([head_codes] if isinstance(head_codes, RawBlocks) else head_codes)
     elif ok(model.lm_head):
         head = make(_codes(mode, [head_codes], head_float))
     elif head_rows is not None:

@@ -69,7 +69,8 @@ def joint_fit(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], f
     x2 = float(((c - n * p) ** 2 / (n * p)).sum()) if not impossible else math.inf
     # the null: X² of direct samples of the exact joint (deterministic generator: a fixed bar)
     draws = torch.multinomial(p.expand(NULL_DRAWS, -1), n, replacement=True, generator=torch.Generator().manual_seed(0))
-    null_c = torch.zeros(NULL_DRAWS, len(keys), dtype=torch.float64).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
+    ones = torch.ones_like(draws, dtype=torch.float64)
+    null_c = torch.zeros(NULL_DRAWS, len(keys), dtype=torch.float64).scatter_add_(1, draws, ones)
     null = ((null_c - n * p) ** 2 / (n * p)).sum(1)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(counts) | set(exact))
     return JointFit(x2, float(null.mean() + NULL_SDS * null.std()), tv, outs or [])

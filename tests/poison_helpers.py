@@ -3,9 +3,10 @@ one request's hidden state inside a target forward (a forward hook on a target l
 reference layer loop; or its embedding rows, which keeps the fused loop on) or its cached K/V rows in
 the pool, then drive an engine through a join plan and check that only that request fails.
 
-Public surfaces only: `engine.model.layers[i]` as nn.Modules, `model.forward` / `model.embed_tokens`, `engine.kv.k/v`, `kv.page_size`, a
-request's `page_table` / `committed_len`. NOTE: `victim_rows` is the one place that reads the layout
-of a packed forward (the batch object a layer is called with); fix it there if that layout changes.
+Public surfaces only: `engine.model.layers[i]` as nn.Modules, `model.forward` / `model.embed_tokens`,
+`engine.kv.k/v`, `kv.page_size`, a request's `page_table` / `committed_len`. NOTE: `victim_rows` is the
+one place that reads the layout of a packed forward (the batch object a layer is called with); fix it
+there if that layout changes.
 """
 from __future__ import annotations
 

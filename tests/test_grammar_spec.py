@@ -181,8 +181,8 @@ def _assert_follows_grammar(sp: SamplingParams, r) -> None:  # noqa: ANN001
 
 def test_grammar_spec_equals_plain_hybrid_target() -> None:
     """A hybrid (recurrent) target under a grammar: plain decoding equals the masked-greedy oracle, and
-    speculation (SYNTHETIC: a hybrid draft model with its own state slots; NGRAM) equals plain decoding,
-    forced drafts on and off. Rejected drafts roll back the recurrent state and the grammar matcher together."""
+    speculation (SYNTHETIC: a hybrid draft model with its own state slots; NGRAM with forced drafts)
+    equals plain decoding. Rejected drafts roll back the recurrent state and the grammar matcher together."""
     from tests.hybrid_setup import tiny_hybrid
 
     model = tiny_hybrid("LFLF", 1)  # recurrent and attention layers
@@ -194,14 +194,13 @@ def test_grammar_spec_equals_plain_hybrid_target() -> None:
             if sp.greedy:
                 assert r.output_ids == masked_greedy_oracle(model, prompt, sp), r.request_id
     ref = greedy_only(plan, outputs(ref_reqs))
-    for algo in (SYN, NGRAM):
-        for forced in (0, 8):
-            llm = make_llm(model, algo, 4, rate=0.8, tokenizer=TOK, page_size=4, grammar_forced_drafts=forced)
-            reqs = drive(llm, plan)
-            assert greedy_only(plan, outputs(reqs)) == ref, (algo, forced)
-            for (_, _, sp), r in zip(plan, reqs):
-                if sp.has_grammar:
-                    _assert_follows_grammar(sp, r)
-            assert llm.engine.stats.num_accepted_tokens > 0, (algo, forced)
-            check_stats(llm.engine, reqs)
-            assert_no_leak(llm.engine)
+    for algo, forced in ((SYN, 0), (NGRAM, 8)):
+        llm = make_llm(model, algo, 4, rate=0.8, tokenizer=TOK, page_size=4, grammar_forced_drafts=forced)
+        reqs = drive(llm, plan)
+        assert greedy_only(plan, outputs(reqs)) == ref, (algo, forced)
+        for (_, _, sp), r in zip(plan, reqs):
+            if sp.has_grammar:
+                _assert_follows_grammar(sp, r)
+        assert llm.engine.stats.num_accepted_tokens > 0, (algo, forced)
+        check_stats(llm.engine, reqs)
+        assert_no_leak(llm.engine)

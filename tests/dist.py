@@ -1,7 +1,12 @@
 """Engine-level distribution check: the joint law of the first L generated tokens, enumerated
 exactly on a tiny-vocabulary model, against the engine's empirical law over N seeded requests.
-The threshold is the TV a direct sample of the exact law reaches with the same N (noise floor)."""
+The statistic is Pearson's X² over the joint's cells; its bar comes from direct samples of the exact law
+with the same N (the null distribution, Monte Carlo: small cells make the χ² approximation unreliable).
+X² sees a 1.2× ratio bias that total variation did not (tests/test_dist_power.py)."""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -36,31 +41,50 @@ def exact_joint(model, prompt: list[int], length: int, params: SamplingParams,  
     return joint
 
 
-def tv_threshold(tv_ref: float) -> float:
-    """The pass bar of every engine-level distribution test: 1.5× the noise floor plus 0.015.
-    tests/test_dist_power.py: a correction drawn from p instead of the residual lands above it, a 1.2×
-    ratio bias does not (this joint-TV test has little power against small ratio biases)."""
-    return 1.5 * tv_ref + 0.015
+NULL_DRAWS, NULL_SDS = 2000, 5.0
 
 
-def tv_distance(counts: dict, exact: dict, n: int) -> float:
-    keys = set(counts) | set(exact)
-    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+@dataclass
+class JointFit:
+    """The engine's first-L-token counts against the exact joint."""
+    x2: float  # Pearson X² (inf when the engine emitted a sequence of probability 0)
+    bar: float  # mean + NULL_SDS·sd of X² over NULL_DRAWS direct samples of the exact joint, same N
+    tv: float  # total variation (reported only)
+    outs: list
+
+    @property
+    def ok(self) -> bool:
+        return self.x2 <= self.bar
+
+    def __str__(self) -> str:
+        return f"X² {self.x2:.1f} vs bar {self.bar:.1f} (TV {self.tv:.4f}, N {len(self.outs)})"
 
 
-def engine_vs_exact_joint(llm, prompt: list[int], length: int, base: SamplingParams, n: int,  # noqa: ANN001, ANN201
-                          allowed=None):  # noqa: ANN001
-    """(TV of the engine's outputs, TV of a direct sample of the exact joint, the outputs)."""
+def joint_fit(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], float], n: int,
+              outs: list | None = None) -> JointFit:
+    keys = list(exact)
+    p = torch.tensor([exact[k] for k in keys], dtype=torch.float64)
+    c = torch.tensor([float(counts.get(k, 0)) for k in keys], dtype=torch.float64)
+    impossible = sum(v for k, v in counts.items() if exact.get(k, 0.0) == 0.0)
+    x2 = float(((c - n * p) ** 2 / (n * p)).sum()) if not impossible else math.inf
+    # the null: X² of direct samples of the exact joint (deterministic generator: a fixed bar)
+    draws = torch.multinomial(p.expand(NULL_DRAWS, -1), n, replacement=True, generator=torch.Generator().manual_seed(0))
+    ones = torch.ones_like(draws, dtype=torch.float64)
+    null_c = torch.zeros(NULL_DRAWS, len(keys), dtype=torch.float64).scatter_add_(1, draws, ones)
+    null = ((null_c - n * p) ** 2 / (n * p)).sum(1)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(counts) | set(exact))
+    return JointFit(x2, float(null.mean() + NULL_SDS * null.std()), tv, outs or [])
+
+
+def engine_vs_exact_joint(llm, prompt: list[int], length: int, base: SamplingParams, n: int,  # noqa: ANN001
+                          allowed=None) -> JointFit:  # noqa: ANN001
+    """The engine's outputs of n seeded requests against the exact joint (assert fit.ok, fit)."""
     exact = exact_joint(llm.engine.model, prompt, length, base, allowed)
     outs = llm.generate([prompt] * n, [SamplingParams(**{**base.__dict__, "seed": s}) for s in range(n)])
     counts: dict = {}
     for o in outs:
         counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    keys, w = list(exact), torch.tensor(list(exact.values()))
-    ref_counts: dict = {}
-    for i in torch.multinomial(w, n, replacement=True, generator=torch.Generator().manual_seed(0)).tolist():
-        ref_counts[keys[i]] = ref_counts.get(keys[i], 0) + 1
-    return tv_distance(counts, exact, n), tv_distance(ref_counts, exact, n), outs
+    return joint_fit(counts, exact, n, outs)
 
 
 # ---- negative controls: deliberately wrong acceptance rules (they must FAIL the test above) ----

@@ -24,7 +24,7 @@ from specserve.models.llama import LlamaModel
 from specserve.train.data import FeatureCapture
 from specserve.spec.cost import CostModel
 from specserve.spec.gate import DraftGate
-from tests.dist import engine_vs_exact_joint, tv_threshold
+from tests.dist import engine_vs_exact_joint
 from tests.spec_helpers import drive
 from tests.tiny import reference_greedy, tiny_config, tiny_state_dict
 
@@ -144,9 +144,9 @@ def test_sampled_drafts_match_target_distribution(tmp_path: Path, monkeypatch: p
             [(1, 1.0), (64, 1.0 + 1e-6)])))  # verify tokens (nearly) free: every draft is worth verifying
         monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": "open")
     llm = random_drafter_llm(tmp_path, algo, rule, **opts)
-    tv, tv_ref, outs = engine_vs_exact_joint(llm, [1, 2], DIST_LEN, DIST_PARAMS, DIST_N)
-    assert tv <= tv_threshold(tv_ref), f"TV {tv:.4f} vs reference-sample TV {tv_ref:.4f}"
-    assert sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0
+    fit = engine_vs_exact_joint(llm, [1, 2], DIST_LEN, DIST_PARAMS, DIST_N)
+    assert fit.ok, fit
+    assert sum(o.meta_info["spec_accepted_tokens"] for o in fit.outs) > 0
     assert llm.engine.drafter.supplies_q
 
 

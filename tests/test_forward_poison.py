@@ -15,7 +15,10 @@ import torch
 
 from specserve.core import SamplingParams
 from tests.drafter_setup import _spec_llm
-from tests.poison_helpers import HiddenPoison, drive_poisoned, poison_kv
+from specserve.models import fused
+from specserve.models.llama import DecoderLayer
+from specserve.models.quant import quantize_model
+from tests.poison_helpers import EmbedPoison, HiddenPoison, drive_poisoned, poison_kv
 from tests.spec_helpers import NGRAM, assert_no_leak, make_llm
 from tests.tiny import reference_greedy, tiny_model
 
@@ -39,12 +42,22 @@ def _poison(where: str, value: float, llm):  # noqa: ANN001, ANN202
 
 
 def _check(llm, plan, clean, reqs, pages, hits=None) -> None:  # noqa: ANN001
-    model = llm.engine.model
+    if hits is not None:
+        assert hits, "the poison never found the victim's rows"
+    _check_neighbours(llm, plan, clean, reqs)
+    _check_victim(reqs, clean, pages)
+
+
+def _check_victim(reqs, clean, pages) -> None:  # noqa: ANN001
     v = reqs[VICTIM]
     assert v.finish_reason == "error" and v.error and ("NaN" in v.error or "Inf" in v.error), (v.finish_reason, v.error)
     assert v.output_ids == clean[VICTIM].output_ids[: len(v.output_ids)]  # nothing emitted from the poisoned step
-    if hits is not None:
-        assert hits, "the hook never found the victim's rows"
+    # the victim's pages (poisoned K/V still in them) went to another request after it failed
+    assert any(set(p) & set(pages[VICTIM]) for i, p in enumerate(pages) if i != VICTIM), "no page of the victim reused"
+
+
+def _check_neighbours(llm, plan, clean, reqs) -> None:  # noqa: ANN001
+    model = llm.engine.model
     for i, ((_, prompt, sp), r) in enumerate(zip(plan, reqs)):
         if i == VICTIM:
             continue
@@ -53,8 +66,6 @@ def _check(llm, plan, clean, reqs, pages, hits=None) -> None:  # noqa: ANN001
             assert r.output_ids == reference_greedy(model, prompt, N_TOK), i
         else:  # seeded sampling: the same tokens as in the run without the fault
             assert r.output_ids == clean[i].output_ids, i
-    # the victim's pages (poisoned K/V still in them) went to another request after it failed
-    assert any(set(p) & set(pages[VICTIM]) for i, p in enumerate(pages) if i != VICTIM), "no page of the victim reused"
     assert_no_leak(llm.engine)
 
 
@@ -73,6 +84,66 @@ def test_forward_poison_fails_only_its_request(where: str, value: float, algo: s
     _check(llm, plan, clean, reqs, pages, poison.hits if where == "hidden" else None)
     if algo:
         assert sum(r.spec_accepted_tokens for r in reqs) > 0
+
+
+# KNOWN DEFECT (kernels / models/quant.py): w4a8/w8a8 quantize activations to int8 with a per-row scale
+# that drops NaN, so a NaN row comes out of every BlockQuantWeight (LM head included) as 0; an Inf in the
+# residual turns NaN at the next norm. The victim's logits are all 0 and it goes on emitting garbage
+# instead of failing (measured: tiny w4a8 llama, both paths). Its neighbours are unaffected.
+QUANT_NAN = "int8 activation quantization turns a NaN/Inf row into 0 logits: the request does not fail"
+
+
+@pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
+@pytest.mark.parametrize("algo", [None, NGRAM])
+@pytest.mark.parametrize("path,where", [("fused", "embed"), ("decoder_layers", "embed"), ("decoder_layers", "kv"),
+                                        ("decoder_layers+dense_head", "embed")])
+def test_poison_on_the_fused_path_fails_only_its_request(path: str, where: str, algo: str | None, value: float,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default layer loop (no hooks): the Python fused loop (qwen2, fp64) and the C++ decoder_layers
+    op (w4a8 llama, fp32; with its dense LM head restored the residual's NaN/Inf reaches the logits).
+    The fault enters at the victim's embedding rows (its K/V at later layers follow) or in its cached
+    K/V, which the fused attention kernels read beside its neighbours' rows."""
+    quantized = path.startswith("decoder_layers")
+    if not quantized:
+        model = tiny_model("qwen2", seed=6)
+    else:
+        model = tiny_model("llama", dtype=torch.float32, seed=6)
+        head = model.lm_head
+        quantize_model(model, "w4a8")
+        if path.endswith("dense_head"):
+            model.lm_head = head
+        assert model._layer_stack() is not None
+    assert fused.enabled()
+    calls = {"reference": 0, "fused": 0, "decoder_layers": 0}
+    monkeypatch.setattr(DecoderLayer, "forward", lambda *a, **k: calls.__setitem__("reference", calls["reference"] + 1))
+    forward_fused = DecoderLayer.forward_fused
+
+    def counted_fused(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls["fused"] += 1
+        return forward_fused(self, *a, **k)
+
+    monkeypatch.setattr(DecoderLayer, "forward_fused", counted_fused)
+    decoder_layers = torch.ops.specserve.decoder_layers
+
+    def counted_stack(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls["decoder_layers"] += 1
+        return decoder_layers(*a, **k)
+
+    monkeypatch.setattr(torch.ops.specserve, "decoder_layers", counted_stack)
+    plan = _plan()
+    clean, _ = drive_poisoned(make_llm(model, algo, 4, page_size=4), plan, VICTIM, POISON_STEP)
+    llm = make_llm(model, algo, 4, page_size=4)
+    poison = EmbedPoison(llm.engine, value) if where == "embed" else poison_kv(value)
+    reqs, pages = drive_poisoned(llm, plan, VICTIM, POISON_STEP, poison)
+    named = "decoder_layers" if quantized else "fused"
+    assert calls["reference"] == 0 and calls[named] > 0, calls  # the path named, never the reference loop
+    assert where == "kv" or poison.hits, "the poison never found the victim's rows"
+    if algo:
+        assert sum(r.spec_accepted_tokens for r in reqs) > 0
+    _check_neighbours(llm, plan, clean, reqs)
+    if quantized and reqs[VICTIM].error is None and not path.endswith("dense_head"):
+        pytest.xfail(QUANT_NAN)  # imperative: once NaN survives the int8 activations, the check below runs
+    _check_victim(reqs, clean, pages)
 
 
 def test_poisoned_prefill_fails_only_its_request() -> None:

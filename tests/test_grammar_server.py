@@ -76,7 +76,9 @@ def test_openai_sampled_json_with_n(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "e", "schema": SCHEMAS["enum_array"]}}
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": ASK}], response_format=fmt,
                                        max_tokens=80, temperature=0.9, n=3, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2], r.choices  # n choices, each index once
     for c in r.choices:
+        assert c.finish_reason == "stop", c.message.content
         jsonschema.validate(json.loads(c.message.content), SCHEMAS["enum_array"])
 
 

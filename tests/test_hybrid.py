@@ -12,7 +12,7 @@ import pytest
 import specserve.drafters.hybrid as hybrid
 from specserve.core import SamplingParams
 from specserve.engine.llm import LLM
-from tests.dist import engine_vs_exact_joint, tv_threshold
+from tests.dist import engine_vs_exact_joint
 from tests.drafter_setup import DIST_LEN, DIST_N, DIST_PARAMS, _target, random_drafter_llm
 from tests.spec_helpers import assert_no_leak, check_stats, drive
 from tests.tiny import reference_greedy
@@ -46,9 +46,9 @@ def test_hybrid_greedy_equals_plain(trained: dict, monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("rule", ["sample", "block"])
 def test_hybrid_sampling_matches_target_distribution(tmp_path: Path, rule: str) -> None:
     llm = random_drafter_llm(tmp_path, "dspark", rule, speculative_algorithm="HYBRID", speculative_ngram_min_match=2)
-    tv, tv_ref, outs = engine_vs_exact_joint(llm, [1, 2, 1, 2], DIST_LEN, DIST_PARAMS, DIST_N)
-    assert tv <= tv_threshold(tv_ref), f"TV {tv:.4f} vs reference-sample TV {tv_ref:.4f}"
-    assert sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0
+    fit = engine_vs_exact_joint(llm, [1, 2, 1, 2], DIST_LEN, DIST_PARAMS, DIST_N)
+    assert fit.ok, fit
+    assert sum(o.meta_info["spec_accepted_tokens"] for o in fit.outs) > 0
 
 
 def test_hybrid_flags() -> None:

@@ -22,7 +22,7 @@ from specserve.drafters.artifact import build_net, save_drafter
 from specserve.drafters.lattice import best_paths
 from specserve.drafters.nets import DrafterConfig
 from specserve.engine.llm import LLM
-from tests.dist import engine_vs_exact_joint, tv_threshold
+from tests.dist import engine_vs_exact_joint
 from tests.drafter_setup import _spec_llm  # the `trained` fixture (tiny trained drafters): conftest.py
 from tests.spec_helpers import drive
 from tests.tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
@@ -180,9 +180,9 @@ def test_lattice_drafts_keep_target_distribution(tmp_path: Path, algo: str) -> N
               speculative_num_draft_tokens=3, speculative_lattice_topk=2, max_running_requests=256)
     assert not llm.engine.drafter.supplies_q
     base = SamplingParams(temperature=6.0, max_tokens=L, top_p=0.95)
-    tv, tv_ref, outs = engine_vs_exact_joint(llm, [1, 2], L, base, N)
-    assert tv <= tv_threshold(tv_ref), f"TV {tv:.4f} vs reference-sample TV {tv_ref:.4f}"
-    assert sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0
+    fit = engine_vs_exact_joint(llm, [1, 2], L, base, N)
+    assert fit.ok, fit
+    assert sum(o.meta_info["spec_accepted_tokens"] for o in fit.outs) > 0
 
 
 def test_flag_is_validated(trained: dict) -> None:

@@ -46,7 +46,12 @@ def test_int4_model_generates_and_speculates() -> None:
     # of the same int4 model, and the two runs agree up to the first position whose top-2 logits are
     # that close. Fails on a wrong int4 matmul for multi-row (verify-shaped) inputs, a KV slot written
     # or read wrongly under speculation, or an accepted draft that was not the target's choice.
-    tol = 0.25  # two bf16 ulps at |logit| ≈ 16-32
+    _assert_same_up_to_ties(m, prompts, plain, spec, tol=0.25)  # two bf16 ulps at |logit| ≈ 16-32
+
+
+def _assert_same_up_to_ties(m, prompts: list[list[int]], plain: list, spec: list, tol: float) -> None:  # noqa: ANN001
+    """Every token (plain and speculative) is within `tol` of the argmax of a from-scratch forward of m,
+    and the two runs agree up to the first position whose top-2 logits are that close."""
     for p, a, b in zip(prompts, plain, spec):
         for out in (a.token_ids, b.token_ids):
             rows = ref_logits(m, p + out[:-1])[len(p) - 1 :]
@@ -57,9 +62,20 @@ def test_int4_model_generates_and_speculates() -> None:
         assert b.token_ids[:tie] == a.token_ids[:tie]
 
 
+def _int4_rows_independent(m) -> bool:  # noqa: ANN001
+    """Whether torch's int4 kernel gives a row the same bits in a 20-row call (verify) as alone (decode),
+    for every int4 weight of m: true on the CPUs measured (AVX512, fp32), not promised by torch."""
+    ws = [w for layer in m.layers for w in vars(layer).values() if isinstance(w, Int4Weight)]
+    assert ws
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(20, w.shape[1], generator=g).to(w.dtype) for w in ws]
+    return all(torch.equal(w(x), torch.cat([w(r) for r in x.split(1)])) for w, x in zip(ws, xs))
+
+
 @pytest.mark.parametrize("mode", ["w4a8", "w8a8", "int4"])
 def test_quantized_model_speculation_equals_plain(mode: str) -> None:
-    """Greedy speculation == plain decoding of the same quantized model, token for token."""
+    """Greedy speculation == plain decoding of the same quantized model, token for token (int4: where the
+    kernel is row-independent, else up to near-ties of a from-scratch forward)."""
     m = tiny_model("llama", dtype=torch.float32)
     quantize_model(m, mode)
     kind = Int4Weight if mode == "int4" else BlockQuantWeight
@@ -67,12 +83,16 @@ def test_quantized_model_speculation_equals_plain(mode: str) -> None:
     assert isinstance(m.lm_head, kind) or mode == "int4"  # int4 needs N % 16 == 0: vocab 97 stays dense
     plain = LLM.from_model(m).generate(PROMPTS, SP)
     assert all(len(o.token_ids) == 12 for o in plain)
-    if mode == "int4":
-        return  # torch's int4 kernel is not row-independent: verify may differ from decode numerically
+    exact = mode != "int4" or _int4_rows_independent(m)
     for algo in ("SYNTHETIC", "NGRAM"):
         extra = {"speculative_synthetic_accept_rate": 0.7} if algo == "SYNTHETIC" else {}
-        spec = LLM.from_model(m, speculative_algorithm=algo, **extra).generate(PROMPTS, SP)
-        assert [o.token_ids for o in spec] == [o.token_ids for o in plain], algo
+        llm = LLM.from_model(m, speculative_algorithm=algo, **extra)
+        spec = llm.generate(PROMPTS, SP)
+        assert llm.engine.stats.num_accepted_tokens > 0, algo  # verify really ran multi-row and accepted
+        if exact:
+            assert [o.token_ids for o in spec] == [o.token_ids for o in plain], algo
+        else:
+            _assert_same_up_to_ties(m, PROMPTS, plain, spec, tol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["w4a8", "w8a8"])

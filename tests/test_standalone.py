@@ -7,7 +7,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 
-from .dist import engine_vs_exact_joint, tv_threshold
+from .dist import engine_vs_exact_joint
 from .tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
 
 
@@ -108,10 +108,9 @@ def test_standalone_sampling_matches_target_distribution(tmp_path, rule: str) ->
     llm = LLM(target, dtype="float64", speculative_algorithm="STANDALONE", speculative_draft_model_path=draft,
               speculative_num_draft_tokens=3, speculative_accept=rule, max_running_requests=256)
     base = SamplingParams(temperature=6.0, max_tokens=L, top_p=0.95)  # tiny models are peaked: flatten
-    tv, tv_ref, outs = engine_vs_exact_joint(llm, [1, 2], L, base, N)
-    print(f"{rule}: TV {tv:.4f}, reference-sample TV {tv_ref:.4f}")
-    assert tv <= tv_threshold(tv_ref), f"TV {tv:.4f} vs reference-sample TV {tv_ref:.4f}"
-    assert sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0
+    fit = engine_vs_exact_joint(llm, [1, 2], L, base, N)
+    assert fit.ok, fit
+    assert sum(o.meta_info["spec_accepted_tokens"] for o in fit.outs) > 0
 
 
 def test_standalone_draft_bigger_than_target_refused(dirs: dict[str, str]) -> None:

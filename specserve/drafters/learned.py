@@ -110,7 +110,7 @@ class LearnedDrafter(Drafter):
 
     def ctx_first(self, seq_len: int) -> int:
         """First position a draft round reads: the last W committed positions up to the anchor
-        (position seq_len − 1) — everything, without --speculative-draft-window-size."""
+        (position seq_len − 1) — everything, without --speculative-draft-attention-window."""
         return 0 if self.window is None else max(0, seq_len - self.window)
 
     def trim(self, st: FeatState) -> None:

@@ -147,13 +147,13 @@ class ChainDrafter(LearnedDrafter):
         step, live = 0, [1.0] * len(reqs)  # cumulative confidence: stop below `stop_below`
         while active:
             logits = self.net.logits(o)
-            top = torch.softmax(logits, dim=-1).amax(dim=-1)
+            probs = torch.softmax(logits, dim=-1)
             keep, keep_rows = [], []
             for i, ((b, w), row) in enumerate(zip(active, logits)):
-                tok, q = self._choose(reqs[b], row, tokens[b])
-                conf[b].append(top[i])
+                tok, q, c = self._choose(reqs[b], row, tokens[b], probs[i])
+                conf[b].append(c)
                 tokens[b].append(tok)
-                live[b] *= float(top[i])
+                live[b] *= float(c)
                 if q is not None:
                     qs[b].append(q)
                 if len(tokens[b]) < w and live[b] >= self.stop_below:

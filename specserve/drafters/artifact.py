@@ -129,7 +129,8 @@ def learned_factory(algorithm: str):  # noqa: ANN202
 
 _CHAIN = Capabilities(tree=True, features=True, samples=True, draft_model=True)
 _BLOCK = Capabilities(block=True, features=True, samples=True, draft_model=True)
-register_drafter("EAGLE3", _CHAIN, aliases=("EAGLE",))(learned_factory("eagle3"))
-register_drafter("MTP", _CHAIN, aliases=("NEXTN",))(learned_factory("mtp"))
-register_drafter("DFLASH", _BLOCK)(learned_factory("dflash"))
-register_drafter("DSPARK", dataclasses.replace(_BLOCK, default_window="confidence"))(learned_factory("dspark"))
+register_drafter("EAGLE3", _CHAIN, aliases=("EAGLE",), help="EAGLE-3 chains or EAGLE-2 trees over target features")(learned_factory("eagle3"))
+register_drafter("MTP", _CHAIN, aliases=("NEXTN",), help="a multi-token-prediction layer, drafted as a chain")(learned_factory("mtp"))
+register_drafter("DFLASH", _BLOCK, help="a block of drafts in one forward")(learned_factory("dflash"))
+register_drafter("DSPARK", dataclasses.replace(_BLOCK, default_window="confidence"),
+                 help="DFlash with a Markov transition term and a confidence head")(learned_factory("dspark"))

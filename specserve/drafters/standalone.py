@@ -176,7 +176,7 @@ def build_draft_runner(ctx: DrafterContext, model: "LlamaModel") -> ModelRunner:
 
 
 @register_drafter("STANDALONE", Capabilities(samples=True, draft_model=True, needs_draft_model_path=True),
-                  aliases=("DRAFT_MODEL",))
+                  aliases=("DRAFT_MODEL",), help="a smaller model of the target's vocabulary")
 def _make(ctx: DrafterContext) -> Drafter:
     from ..models import build_model, resolve_dtype
 

@@ -15,7 +15,8 @@ Block drafters (DFlash, DSpark) draft their whole block in one forward whatever 
 EAGLE-2 trees cost their depth whatever the node count, so for them `cost` plans only who drafts
 and cuts after drafting, with the marginal gains taken from the cumulative draft confidence of each
 position (tree: of each node's path) instead of α_b^{k+1}.
-A new policy: a subclass here with `@register_policy`, and its name in config.WINDOW_POLICIES.
+A new policy: a subclass here with `@register_policy` (its `name` and `help` are --speculative-window's
+choice and help: the registry is the one list).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class StepStats:
 
 class WindowPolicy(ABC):
     name: ClassVar[str]
+    help: ClassVar[str]  # --speculative-window's help for it
     floor: float = 0.0
 
     def __init__(self, config: EngineConfig) -> None:
@@ -90,14 +92,24 @@ def make_policy(name: str, config: EngineConfig) -> WindowPolicy:
     return _POLICIES[name](config)
 
 
+def policy_names() -> tuple[str, ...]:
+    return tuple(_POLICIES)
+
+
+def policies_help() -> str:
+    return "; ".join(f"{n} = {c.help}" for n, c in _POLICIES.items())
+
+
 @register_policy
 class FixedPolicy(WindowPolicy):
     name = "fixed"
+    help = "K for every request"
 
 
 @register_policy
 class ConfidencePolicy(WindowPolicy):
     name = "confidence"
+    help = "the prefix whose cumulative draft confidence stays >= --speculative-confidence-threshold"
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -113,6 +125,8 @@ class CostPolicy(WindowPolicy):
     the measured per-request draft cost and the empirical DraftGate."""
 
     name = "cost"
+    help = ("per-request windows maximising expected tokens per second of a measured verify-cost curve "
+            "(0 = plain)")
     #: drafters stop a chain once it is < 20% likely to be accepted this far. NOTE: measured, not derived: the
     #: window maths verifies positions down to ~10% at batch 1, but the table's calibration (held-out chat) is
     #: ~20% optimistic on other text, and AUTO ran 1.198x plain at 0.02, 1.220-1.222x at 0.2-0.3 (batch 8: same);

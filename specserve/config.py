@@ -112,7 +112,11 @@ class EngineConfig:
                                            "default of --speculative-num-draft-tokens; tree depth, default 4, with topk > 1)")
     speculative_eagle_topk: int | None = _f(None, "EAGLE3/MTP: children per expanded node; > 1 drafts an EAGLE-2 dynamic "
                                             "tree (1 = chain)", unset=1)
-    speculative_block_size: int | None = _f(None, "DFLASH/DSPARK: block size at serving (≤ the trained one; default it)")
+    speculative_block_size: int | None = _f(None, "DFLASH/DSPARK: block size at serving, the anchor included: a block "
+                                            "of B verifies B rows and drafts B − 1 tokens (≤ the trained one; default it)")
+    speculative_dspark_block_size: int | None = _f(None, "DFLASH/DSPARK: SGLang's spelling of the block size: drafts "
+                                                   "per block, the anchor not counted (N here = --speculative-block-size "
+                                                   "N + 1)")
     speculative_lattice_topk: int | None = _f(None, "DFLASH/DSPARK: rerank each drafted block over the top-k candidates "
                                               "per offset by dynamic programming (per-offset log-probs + Markov "
                                               "transition scores); 0 = off", unset=0)
@@ -157,7 +161,7 @@ class EngineConfig:
                 raise ValueError(f"--{flag(f.name)}: {getattr(self, f.name)!r} is not one of {', '.join(ch)}")
         for name in ("page_size", "max_prefill_tokens", "max_running_requests", "speculative_ngram_min_match",
                      "tp_size", "nnodes",
-                     "speculative_draft_attention_window"):
+                     "speculative_draft_attention_window", "speculative_dspark_block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
         ranges = {"grammar_forced_drafts": (0, 64), "speculative_num_draft_tokens": (0, 64), "speculative_num_steps": (1, 32),
@@ -183,9 +187,9 @@ class EngineConfig:
         if self.value("speculative_ngram_max_match") < (self.speculative_ngram_min_match or 1):
             raise ValueError("--speculative-ngram-max-match must be >= --speculative-ngram-min-match")
         if self.speculative_algorithm is not None:  # plain decoding ignores the speculative flags
-            from .drafters.base import validate_flags
+            from .spec.resolve import validate_speculative  # lazy: spec/ imports this module
 
-            validate_flags(self)
+            validate_speculative(self)
 
     def value(self, name: str) -> Any:
         """The field's value, or what its None default stands for."""

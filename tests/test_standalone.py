@@ -7,7 +7,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 
-from .parallel import engine_vs_exact_joint, tv_threshold
+from .dist import engine_vs_exact_joint, tv_threshold
 from .tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
 
 

@@ -42,8 +42,6 @@ class Drafter(ABC):
     label: str = ""
     #: target layers whose outputs the drafter consumes (learned drafters); () = no capture at all.
     aux_layers: tuple[int, ...] = ()
-    #: draft tokens per step when --speculative-num-draft-tokens is not given.
-    default_num_draft_tokens: int = 4
     #: pays for its whole window up front (DFlash/DSpark blocks: one forward; EAGLE-2 trees: their
     #: depth), so window policies that weigh cost choose windows after drafting, from the confidence.
     drafts_whole_window: bool = False
@@ -73,7 +71,7 @@ class Drafter(ABC):
 class Capabilities:
     """What an algorithm does, hence which flags apply to it (`flags`)."""
 
-    block: bool = False  # drafts a block in one forward: --speculative-block-size, --speculative-lattice-topk
+    block: bool = False  # drafts a block in one forward: --speculative-(dspark-)block-size, --speculative-lattice-topk
     tree: bool = False  # chain runtime with depth and EAGLE-2 trees: --speculative-num-steps, --speculative-eagle-topk
     features: bool = False  # consumes target hidden states: --speculative-draft-attention-window
     samples: bool = False  # samples drafts with q at T > 0 (sample/block acceptance): --speculative-greedy-draft
@@ -90,7 +88,7 @@ class Capabilities:
         return frozenset(out)
 
 
-_CAP_FLAGS = {"block": ("speculative_block_size", "speculative_lattice_topk"),
+_CAP_FLAGS = {"block": ("speculative_block_size", "speculative_dspark_block_size", "speculative_lattice_topk"),
               "tree": ("speculative_num_steps", "speculative_eagle_topk"),
               "features": ("speculative_draft_attention_window",),
               "samples": ("speculative_greedy_draft",),
@@ -203,7 +201,8 @@ def create_drafter(name: str, ctx: "DrafterContext") -> Drafter:
 
 
 def validate_flags(c: "EngineConfig") -> None:
-    """Refuse, naming the flag, every option the chosen algorithm would silently ignore."""
+    """Refuse, naming the flag, every option the chosen algorithm would silently ignore (the acceptance rule
+    and K/depth/block are checked with the rest of the speculative settings: spec/resolve.py)."""
     def flag(name: str) -> str:
         return name.replace("_", "-")
 
@@ -216,24 +215,3 @@ def validate_flags(c: "EngineConfig") -> None:
     window = c.speculative_window or default_window(algo)
     if c.speculative_confidence_threshold is not None and window != "confidence":
         raise ValueError(f"--speculative-confidence-threshold applies to --speculative-window confidence, not {window}")
-    deterministic = (not caps.samples or c.value("speculative_greedy_draft") or c.value("speculative_lattice_topk"))
-    if c.speculative_accept == "block" and deterministic:
-        why = ("--speculative-lattice-topk drafts" if c.value("speculative_lattice_topk") else
-               "--speculative-greedy-draft drafts" if c.value("speculative_greedy_draft") else f"{algo} drafts")
-        raise ValueError(f"--speculative-accept block needs draft distributions q, but {why} are deterministic "
-                         "(verified one-hot); use auto or onehot")
-    k, b = c.speculative_num_draft_tokens, c.speculative_block_size
-    if k is not None and b is not None and k > b - 1:
-        raise ValueError(f"--speculative-num-draft-tokens {k} exceeds the block: a block of {b} drafts at most {b - 1}")
-    topk = c.value("speculative_eagle_topk")
-    if topk == 1 and c.speculative_num_steps is not None and k is not None:
-        raise ValueError("--speculative-num-steps is the chain length, which --speculative-num-draft-tokens already "
-                         "sets (give one of them)")
-    if topk > 1:
-        if c.speculative_accept == "block":
-            raise ValueError("--speculative-accept block verifies chains; trees (--speculative-eagle-topk > 1) "
-                             "use their own lossless walk: use auto")
-        d = c.speculative_num_steps or TREE_STEPS
-        if k is not None and not 1 <= k <= topk + (d - 1) * topk * topk:
-            raise ValueError(f"--speculative-num-draft-tokens must be in [1, {topk + (d - 1) * topk * topk}] for a "
-                             f"tree of depth {d} and topk {topk}, got {k}")

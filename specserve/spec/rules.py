@@ -135,6 +135,8 @@ class AcceptRule:
     selectable: bool = True  # --speculative-accept may name it
 
 
+#: NOTE: each `run` names its function at call time, so substituting a rule function of this module (a test's
+#: deliberately biased rule) changes what the accept stage runs
 RULES: dict[str, AcceptRule] = {}
 #: what --speculative-accept auto runs for drafts sampled from q (deterministic drafts: onehot; T = 0: greedy)
 AUTO_RULE = "sample"
@@ -165,9 +167,9 @@ def rules_help() -> str:
 register_rule(AcceptRule("greedy", lambda x, q, d, g: accept_greedy(x, d), on_logits=True, selectable=False,
                          help="runs for every temperature-0 request whatever the flag says; at temperature > 0 it "
                               "would emit the target's argmax instead of sampling it (not lossless)"))
-register_rule(AcceptRule("sample", accept_sample, help="min(1, p/q) per draft, residual on rejection "
-                         "(deterministic drafts: onehot)"))
+register_rule(AcceptRule("sample", lambda p, q, d, g: accept_sample(p, q, d, g),
+                         help="min(1, p/q) per draft, residual on rejection (deterministic drafts: onehot)"))
 register_rule(AcceptRule("onehot", lambda p, q, d, g: accept_onehot(p, d, g),
                          help="sample the target and match the draft (any drafts)"))
-register_rule(AcceptRule("block", accept_block, requires_q=True, chains_only=True,
+register_rule(AcceptRule("block", lambda p, q, d, g: accept_block(p, q, d, g), requires_q=True, chains_only=True,
                          help="block verification: the longest prefix by clipped joint ratio (sampled chains)"))

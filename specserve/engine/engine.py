@@ -98,10 +98,10 @@ class Engine:
         self.stats = SpecStats()
         self.verify_mode = config.speculative_verify_packing
         steps = [KeepPath(self.kv), *([CommitState(self.states)] if self.states else []), AdvanceKV(),
-                 Emit(self.emitter, self.stats, self._finish)]
+                 Emit(self.emitter, self.stats, self.policy.trials, self._finish)]
         self.commit_stage = CommitStage(steps + ([DraftState(self.drafter)] if self.drafter else []), self._fail)
         if self.drafter:
-            self.policy.bind(self.runner, self.drafter, self.stats)
+            self.policy.bind(self.runner, self.drafter)
         self._grammars = GrammarCompiler(config.grammar_backend, self.tokenizer, mcfg.vocab_size, self.eos_ids)
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -299,4 +299,5 @@ class Engine:
         self.emitter.forget(r.request_id)
         if self.drafter:
             self.drafter.release(r)
+        self.policy.release(r)
         self.requests.pop(r.request_id, None)

@@ -51,8 +51,10 @@ def test_sglang_block_size_spelling_counts_drafts(tmp_path: Path) -> None:
     ours, sglang = llm(speculative_block_size=3).engine, llm(speculative_dspark_block_size=2).engine
     assert ours.num_draft_tokens == sglang.num_draft_tokens == 2
     assert ours.drafter.net.cfg.block_size == sglang.drafter.net.cfg.block_size == 3
-    with pytest.raises(ValueError, match="trained with block size 4; use a value in \\[2, 4\\]"):
+    with pytest.raises(ValueError, match="--speculative-dspark-block-size 4: .* trained with block size 4 .* in \\[1, 3\\]"):
         llm(speculative_dspark_block_size=4)
+    with pytest.raises(ValueError, match="--speculative-block-size 5: .* trained with block size 4 .* in \\[2, 4\\]"):
+        llm(speculative_block_size=5)
     with pytest.raises(ValueError, match="give one of them"):
         EngineConfig(speculative_algorithm="DSPARK", speculative_block_size=3, speculative_dspark_block_size=2)
     with pytest.raises(ValueError, match="--speculative-dspark-block-size does not apply to --speculative-algorithm NGRAM"):

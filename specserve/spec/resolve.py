@@ -46,11 +46,15 @@ def spec_settings(c: EngineConfig, trained: DrafterConfig | None = None, path: P
         if given:  # HYBRID over a chain drafter: its block flags have no block to shape
             raise ValueError(f"--{given[0].replace('_', '-')} applies to block drafters (DFLASH, DSPARK); {path} is "
                              f"an {trained.algorithm.upper()} drafter (chains)")
-    if trained is not None and trained.is_block and caps.block:
-        if b is not None and b > trained.block_size:
-            raise ValueError(f"--speculative-block-size {b}: this drafter was trained with block size "
-                             f"{trained.block_size}; use a value in [2, {trained.block_size}]")
-        b = trained.block_size if b is None else b
+    block = trained is not None and trained.is_block and caps.block
+    if block:
+        B, sg = trained.block_size, c.speculative_dspark_block_size
+        if b is not None and b > B:
+            given = f"--speculative-dspark-block-size {sg}" if sg is not None else f"--speculative-block-size {b}"
+            allowed = f"[1, {B - 1}]" if sg is not None else f"[2, {B}]"
+            raise ValueError(f"{given}: this drafter was trained with block size {B} (the anchor and {B - 1} drafts); "
+                             f"use a value in {allowed}")
+        b = B if b is None else b
     if k is not None and b is not None and k > b - 1:
         raise ValueError(f"--speculative-num-draft-tokens {k} exceeds the block: a block of {b} drafts at most {b - 1}")
     topk = c.value("speculative_eagle_topk")
@@ -61,7 +65,6 @@ def spec_settings(c: EngineConfig, trained: DrafterConfig | None = None, path: P
     if topk > 1 and k is not None and not 1 <= k <= topk + (steps - 1) * topk * topk:
         raise ValueError(f"--speculative-num-draft-tokens must be in [1, {topk + (steps - 1) * topk * topk}] for a "
                          f"tree of depth {steps} and topk {topk}, got {k}")
-    block = trained is not None and trained.is_block and caps.block
     if k is None:
         k = b - 1 if block else TREE_NODES if topk > 1 else steps or DEFAULT_NUM_DRAFT_TOKENS
     return SpecSettings(k, steps, topk, b if block else None, c.speculative_window or default_window(algo))

@@ -8,17 +8,63 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-ACCEPT_RULES = ("auto", "greedy", "sample", "onehot", "block")
-WINDOW_POLICIES = ("fixed", "confidence", "cost")
 VERIFY_PACKINGS = ("compact", "padded")
+Names = tuple[str, ...]
 
 
-def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, unset: Any = None) -> Any:  # noqa: A002
+def _f(default: Any, help: str | Callable[[], str], choices: Names | Callable[[], Names] | None = None,  # noqa: A002
+       unset: Any = None) -> Any:
     """A field; `unset` is the value a None default stands for (None defaults let validation tell a
-    flag that was given from one that was not: flags that do not apply are refused only when given)."""
+    flag that was given from one that was not: flags that do not apply are refused only when given).
+    help/choices may be functions: those read a registry (`field_help`, `field_choices`)."""
     return field(default=default, metadata={"help": help, "choices": choices, "unset": unset})
+
+
+def field_help(f: dataclasses.Field) -> str:
+    h = f.metadata["help"]
+    return h() if callable(h) else h
+
+
+def field_choices(f: dataclasses.Field) -> Names | None:
+    ch = f.metadata.get("choices")
+    return ch() if callable(ch) else ch
+
+
+# The registries are the one list of drafters (drafters/base.py), window policies (spec/policy.py) and
+# acceptance rules (spec/rules.py). NOTE: they live with their implementations, which import this module:
+# read on use (validation, the CLI parser), never at import.
+def _algorithm_help() -> str:
+    from .drafters.base import algorithm_help
+
+    return algorithm_help()
+
+
+def _window_policies() -> Names:
+    from .spec.policy import policy_names
+
+    return policy_names()
+
+
+def _window_help() -> str:
+    from .drafters.base import window_defaults_help
+    from .spec.policy import policies_help
+
+    return f"verify-window policy: {policies_help()}. {window_defaults_help()}"
+
+
+def _accept_rules() -> Names:
+    from .spec.rules import selectable_rules
+
+    return selectable_rules()
+
+
+def _accept_help() -> str:
+    from .spec.rules import rules_help
+
+    return f"acceptance rule at temperature > 0 (every temperature-0 request is verified greedily): auto = " \
+           f"sample for drafts sampled from q, onehot for deterministic ones; {rules_help()}"
 
 
 @dataclass(frozen=True)
@@ -56,10 +102,7 @@ class EngineConfig:
     grammar_forced_drafts: int = _f(8, "structured output: where the grammar allows exactly one continuation, propose "
                                     "up to this many of its forced tokens as drafts (verified like any draft, also "
                                     "without a drafter); 0 = off")
-    speculative_algorithm: str | None = _f(None, "drafter: NGRAM, STANDALONE, EAGLE3 (EAGLE), MTP (NEXTN), DFLASH, "
-                                           "DSPARK, HYBRID (n-gram lookup on long matches, else the learned drafter), SYNTHETIC (tests/benchmarks only); NONE = plain decoding; AUTO = NGRAM over the n-gram "
-                                           "table shipped for the target, else HYBRID over its shipped DSpark, else plain "
-                                           "decoding (the default of serve/generate/chat)")
+    speculative_algorithm: str | None = _f(None, _algorithm_help)
     speculative_draft_model_path: str | None = _f(None, "draft model for STANDALONE, or a drafter artifact dir for "
                                                   "EAGLE3/MTP/DFLASH/DSPARK (default: the one shipped for the target)")
     speculative_num_draft_tokens: int | None = _f(None, "draft tokens proposed per request per step (K; default 4, "
@@ -69,21 +112,21 @@ class EngineConfig:
                                            "default of --speculative-num-draft-tokens; tree depth, default 4, with topk > 1)")
     speculative_eagle_topk: int | None = _f(None, "EAGLE3/MTP: children per expanded node; > 1 drafts an EAGLE-2 dynamic "
                                             "tree (1 = chain)", unset=1)
-    speculative_block_size: int | None = _f(None, "DFLASH/DSPARK: block size at serving (≤ the trained one; default it)")
+    speculative_block_size: int | None = _f(None, "DFLASH/DSPARK: block size at serving, the anchor included: a block "
+                                            "of B verifies B rows and drafts B − 1 tokens (≤ the trained one; default it)")
+    speculative_dspark_block_size: int | None = _f(None, "DFLASH/DSPARK: SGLang's spelling of the block size: drafts "
+                                                   "per block, the anchor not counted (N here = --speculative-block-size "
+                                                   "N + 1)")
     speculative_lattice_topk: int | None = _f(None, "DFLASH/DSPARK: rerank each drafted block over the top-k candidates "
                                               "per offset by dynamic programming (per-offset log-probs + Markov "
                                               "transition scores); 0 = off", unset=0)
     speculative_draft_attention_window: int | None = _f(
         None, "EAGLE3/MTP/DFLASH/DSPARK: the drafter attends only to the last W committed positions (and its own "
         "drafts); draft KV pages behind them are freed (default: all)")
-    speculative_window: str | None = _f(None, "verify-window policy: fixed = K for every request; confidence = the prefix "
-                                        "whose cumulative draft confidence stays >= --speculative-confidence-threshold; "
-                                        "cost = per-request windows maximising expected tokens per second of a measured "
-                                        "verify-cost curve (0 = plain). Default: confidence for DSPARK, cost for AUTO, "
-                                        "fixed otherwise", WINDOW_POLICIES)
+    speculative_window: str | None = _f(None, _window_help, _window_policies)
     speculative_confidence_threshold: float | None = _f(None, "confidence window: keep draft positions while the "
                                                         "cumulative acceptance probability is at least this", unset=0.2)
-    speculative_accept: str = _f("auto", "acceptance rule at temperature > 0 (greedy always at 0)", ACCEPT_RULES)
+    speculative_accept: str = _f("auto", _accept_help, _accept_rules)
     speculative_verify_packing: str = _f("compact", "ragged verify batch: compact = windows back to back (the "
                                          "linear layers see sum(k+1) rows); padded = every window padded to the "
                                          "longest", VERIFY_PACKINGS)
@@ -112,13 +155,16 @@ class EngineConfig:
             from .drafters.base import canonical_algorithm  # the registry is the one list of algorithms
 
             object.__setattr__(self, "speculative_algorithm", canonical_algorithm(algo))
+        from .spec.rules import check_rule  # a rule no flag selects is refused with its reason
+
+        check_rule(self.speculative_accept)
         for f in dataclasses.fields(self):
-            ch = f.metadata.get("choices")
+            ch = field_choices(f)
             if ch and getattr(self, f.name) is not None and getattr(self, f.name) not in ch:
                 raise ValueError(f"--{flag(f.name)}: {getattr(self, f.name)!r} is not one of {', '.join(ch)}")
         for name in ("page_size", "max_prefill_tokens", "max_running_requests", "speculative_ngram_min_match",
                      "tp_size", "nnodes",
-                     "speculative_draft_attention_window"):
+                     "speculative_draft_attention_window", "speculative_dspark_block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
         ranges = {"grammar_forced_drafts": (0, 64), "speculative_num_draft_tokens": (0, 64), "speculative_num_steps": (1, 32),
@@ -144,9 +190,9 @@ class EngineConfig:
         if self.value("speculative_ngram_max_match") < (self.speculative_ngram_min_match or 1):
             raise ValueError("--speculative-ngram-max-match must be >= --speculative-ngram-min-match")
         if self.speculative_algorithm is not None:  # plain decoding ignores the speculative flags
-            from .drafters.base import validate_flags
+            from .spec.resolve import validate_speculative  # lazy: spec/ imports this module
 
-            validate_flags(self)
+            validate_speculative(self)
 
     def value(self, name: str) -> Any:
         """The field's value, or what its None default stands for."""
@@ -213,8 +259,8 @@ def add_engine_args(parser: argparse.ArgumentParser, owner: type | None = None) 
             continue
         t = _base_type(f, owner)
         parser.add_argument(f"--{flag(f.name)}", dest=f.name, type=_parse_bool if t is bool else t, default=None,
-                            choices=f.metadata.get("choices"),
-                            help=f"{f.metadata['help']} [env {env_name(f.name)}; default "
+                            choices=field_choices(f),
+                            help=f"{field_help(f)} [env {env_name(f.name)}; default "
                                  f"{f.default if f.default is not None else f.metadata.get('unset')}]")
 
 

@@ -141,7 +141,6 @@ class Request:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     spec_decode_steps: int = 0  # decode steps, with or without drafts (mean window = draft_tokens / steps)
     draft_source: str = "draft"  # which of the drafter's `sources` drafts for it this step (HYBRID: lookup/learned)
-    source_trials: dict[str, list[int]] = field(default_factory=dict)  # source → [accepted, tested] positions
 
     @property
     def all_ids(self) -> list[int]:
@@ -240,8 +239,6 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_tokens_per_pos: list[int] = field(default_factory=list)
     window_counts: list[int] = field(default_factory=list)  # decode rows by window size chosen (0 = plain)
-    #: draft source → [accepted, tested] positions over every request (the prior of each request's estimate)
-    source_trials: dict[str, list[int]] = field(default_factory=dict)
 
     def record_window(self, k: int) -> None:
         if len(self.window_counts) <= k:

@@ -88,9 +88,9 @@ def engine_vs_exact_joint(llm, prompt: list[int], length: int, base: SamplingPar
 
 
 # ---- negative controls: deliberately wrong acceptance rules (they must FAIL the test above) ----
-# NOTE: the one place that names the accept stage's module (spec/accept.py): it calls the rules
-# (spec/rules.py) by these names, so patching them there swaps the rule.
-ACCEPT_STAGE = "specserve.spec.accept"
+# NOTE: the one place that names the module whose rule functions the accept stage runs (spec/rules.py: its
+# registry calls them by these names), so patching them there swaps the rule.
+ACCEPT_STAGE = "specserve.spec.rules"
 
 
 def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:

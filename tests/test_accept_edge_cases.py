@@ -110,8 +110,11 @@ def test_accept_request_keeps_fp32_precision_for_bf16_logits(monkeypatch, rule: 
     """bf16 target logits (the CUDA default): the rule must see p as a proper ≥fp32 distribution and
     q exactly as the draft sampled from it (fp32). Rounding q to bf16 before the ratio test, or a
     bf16 softmax for p (sums to 1 ± ~1e-3), biases the output by ~5e-4 TV per position."""
+    import dataclasses
+
     from specserve.core import Request, SamplingParams
     from specserve.spec import accept
+    from specserve.spec.rules import RULES
 
     V = 64
     g = torch.Generator().manual_seed(0)
@@ -123,7 +126,7 @@ def test_accept_request_keeps_fp32_precision_for_bf16_logits(monkeypatch, rule: 
         seen.update(p=p, q=q_in)
         return 0, 0
 
-    monkeypatch.setattr(accept, f"accept_{rule}", spy)
+    monkeypatch.setitem(RULES, rule, dataclasses.replace(RULES[rule], run=spy))  # the accept stage dispatches here
     req = Request("r", [1, 2], SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(1))
     accept.accept_request(req, raw, [int(q[0].argmax()), int(q[1].argmax())], q, rule)
     assert seen["p"].dtype in (torch.float32, torch.float64)

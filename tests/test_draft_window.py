@@ -1,4 +1,4 @@
-"""Windowed draft attention (--speculative-draft-window-size W) for the learned drafters:
+"""Windowed draft attention (--speculative-draft-attention-window W) for the learned drafters:
 the drafter reads only the last W committed positions, so draft K/V behind the window may hold
 anything (here: NaN) without changing a single proposal, pages behind it are freed, and greedy
 output still equals plain decoding."""

@@ -106,3 +106,44 @@ def test_env_only_switches_are_config_fields() -> None:
     with pytest.raises(ValueError, match="SPECSERVE_SPECULATIVE_GREEDY_DRAFT"):
         EngineConfig.from_sources({}, {**env, "SPECSERVE_SPECULATIVE_GREEDY_DRAFT": "maybe"})
     assert dataclasses.replace(c, speculative_verify_packing="compact").speculative_verify_packing == "compact"
+
+
+def test_greedy_acceptance_is_refused_as_a_flag() -> None:
+    """Every temperature-0 request is verified greedily whatever the flag says; at T > 0 greedy acceptance
+    would emit the target's argmax instead of sampling it, so no flag selects it (it used to be offered,
+    sampled anyway, and be reported as greedy)."""
+    from specserve.cli import build_parser
+
+    with pytest.raises(ValueError, match="--speculative-accept greedy: runs for every temperature-0 request"):
+        EngineConfig(speculative_algorithm="DSPARK", speculative_accept="greedy")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-accept", "greedy"])
+
+
+def _option(name: str):  # noqa: ANN202
+    from specserve.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    return next(a for a in serve._actions if a.dest == name)
+
+
+def test_name_lists_are_read_from_the_registries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registered window policy, acceptance rule or drafter is a choice, a help entry and a valid config
+    value, with no other list to edit."""
+    from specserve.spec import policy, rules
+
+    monkeypatch.setitem(policy._POLICIES, "toy", type("Toy", (policy.WindowPolicy,), {"name": "toy", "help": "TOYW"}))
+    monkeypatch.setitem(rules.RULES, "toyrule", rules.AcceptRule("toyrule", rules.RULES["sample"].run, "TOYR"))
+    entry = dataclasses.replace(registry()["NGRAM"], name="TOYD", aliases=("TOYALIAS",), help="TOYH")
+    from specserve.drafters import base
+
+    monkeypatch.setitem(base._REGISTRY, "TOYD", entry)
+    win, acc, algo = _option("speculative_window"), _option("speculative_accept"), _option("speculative_algorithm")
+    assert "toy" in win.choices and "toy = TOYW" in win.help
+    assert "toyrule" in acc.choices and "toyrule = TOYR" in acc.help and "greedy" not in acc.choices
+    assert "TOYD (TOYALIAS) = TOYH" in algo.help
+    assert all(f"{n} (" in algo.help or f"{n} =" in algo.help for n in registry())
+    cfg = EngineConfig(speculative_algorithm="toyalias", speculative_window="toy", speculative_accept="toyrule")
+    assert (cfg.speculative_algorithm, cfg.speculative_window, cfg.speculative_accept) == ("TOYD", "toy", "toyrule")
+    with pytest.raises(ValueError, match="--speculative-window: 'nope' is not one of fixed, confidence, cost, toy"):
+        EngineConfig(speculative_window="nope")

@@ -87,6 +87,7 @@ def test_short_lookup_extended_from_table() -> None:
     confidence, which the policies read as the lookup source's acceptance estimate."""
     from specserve.core import Request
     from specserve.drafters.ngram import NgramDrafter
+    from specserve.spec.cost import AcceptTrials
     from specserve.spec.policy import accept_curves
 
     streams = [([1, 2, 3, 4, 5, 6] * 4, [True] * 24)]
@@ -99,8 +100,8 @@ def test_short_lookup_extended_from_table() -> None:
     assert p.tokens == [[7, 1, 2, 3, 4, 5]]  # ... then the table chain from [.., 1, 2]: 3 4 5
     c = p.confidence[0]
     assert bool(c[:3].isnan().all()) and c[3:].tolist() == [1.0, 1.0, 1.0]
-    r.source_trials["lookup"] = [3, 4]  # (3 + 4·0.5) / (4 + 4) = 0.625 with no pooled record
-    curve = accept_curves([r], p, [6])[0]
+    trials = AcceptTrials(per_request={r.request_id: {"lookup": [3, 4]}})  # (3 + 4·0.5) / (4 + 4) = 0.625, no pool
+    curve = accept_curves([r], p, [6], trials)[0]
     assert curve == pytest.approx([0.625, 0.625**2, 0.625**3] + [0.625**3] * 3)
     full = drafter.propose([r], [2])
     assert full.tokens == [[7, 1]] and full.confidence == [None]  # a full-length lookup draft is left as it is

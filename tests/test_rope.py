@@ -32,3 +32,33 @@ def test_rope_inv_freq_matches_hf(scaling: dict | None) -> None:
 def test_unknown_rope_scaling_refused() -> None:
     with pytest.raises(ValueError, match="rope_scaling"):
         rope_inv_freq(tiny_config("llama", rope_scaling={"rope_type": "weird"}))
+
+
+
+class _Field:
+    def __init__(self, v: object) -> None:
+        self.v = v
+
+    def contents(self) -> object:
+        return self.v
+
+
+class _Reader:  # the part of gguf.GGUFReader that the config read uses
+    def __init__(self, fields: dict[str, object]) -> None:
+        self.fields = {k: _Field(v) for k, v in fields.items()}
+
+
+@pytest.mark.parametrize("kind", ["yarn", "linear"])
+def test_gguf_rope_scaling_is_read_only_where_the_model_computes_it(kind: str) -> None:
+    """A GGUF's rope scaling type is refused when its config is read, by name, unless rope_inv_freq computes
+    it: a rope_scaling the loader returns always builds."""
+    from specserve.models.gguf_loader import _rope_scaling
+
+    reader = _Reader({"qwen2.rope.scaling.type": kind, "qwen2.rope.scaling.factor": 4.0})
+    if kind == "yarn":
+        with pytest.raises(ValueError, match="unsupported GGUF rope scaling type 'yarn'"):
+            _rope_scaling(reader, "qwen2", None, 8, 10000.0)
+        return
+    rs = _rope_scaling(reader, "qwen2", None, 8, 10000.0)
+    assert rs == {"rope_type": "linear", "factor": 4.0}
+    assert torch.equal(rope_inv_freq(tiny_config("llama", rope_scaling=rs)), rope_inv_freq(tiny_config("llama")) / 4.0)

@@ -51,6 +51,7 @@ def test_models_server_info_tokenize(client: openai.OpenAI, srv: ServerThread) -
     info = httpx.get(f"{srv.url}/server_info").json()
     assert info["engine_config"]["speculative_algorithm"] == "NGRAM"
     assert info["resolved"]["speculative"]["num_draft_tokens"] == 3 and info["resolved"]["dtype"] == "float64"
+    assert info["resolved"]["speculative"]["accept_rule"] == "onehot"  # NGRAM drafts are deterministic
     t = httpx.post(f"{srv.url}/tokenize", json={"prompt": "w1 w2 w3"}).json()
     assert t == {"tokens": [1, 2, 3], "count": 3, "max_model_len": 512}
     chat = httpx.post(f"{srv.url}/tokenize", json={"messages": [{"role": "user", "content": "w9"}]}).json()

@@ -1,6 +1,8 @@
 """Window policy `cost`: the verify-cost curve, the greedy window choice, and losslessness."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -8,16 +10,20 @@ from specserve.config import EngineConfig
 
 from specserve import LLM, SamplingParams
 from specserve.core import Proposal, Request
-from specserve.spec.cost import CostModel, DraftCost, cost_windows
+from specserve.spec.cost import AcceptTrials, CostModel, DraftCost, cost_windows
 from specserve.spec.gate import DraftGate
 from specserve.spec.policy import accept_curves
 
 from .tiny import reference_greedy, tiny_model
 
 
+TRIALS = AcceptTrials()  # the requests' acceptance the policies read (no pooled record)
+_ids = itertools.count()
+
+
 def _req(accepted: int, trials: int) -> Request:
-    r = Request("r", [1], SamplingParams())
-    r.source_trials[r.draft_source] = [accepted, trials]  # the acceptance the cost policy reads
+    r = Request(f"r{next(_ids)}", [1], SamplingParams())
+    TRIALS.per_request[r.request_id] = {r.draft_source: [accepted, trials]}
     return r
 
 
@@ -28,7 +34,7 @@ def test_cost_model_interpolates_and_extrapolates() -> None:
 
 def test_free_verify_takes_full_windows() -> None:
     flat = CostModel([(1, 1.0), (64, 1.0 + 1e-9)])
-    assert cost_windows([_req(5, 10), _req(0, 0)], [4, 3], flat)[0] == [4, 3]
+    assert cost_windows([_req(5, 10), _req(0, 0)], [4, 3], flat, trials=TRIALS)[0] == [4, 3]
 
 
 @pytest.mark.parametrize("gains", [[0.9, 0.8, 0.5, 0.1, 0.05], [0.3, 0.29, 0.28, 0.27, 0.26], [0.05, 0.04, 0.0, 0.0, 0.0]])
@@ -39,7 +45,7 @@ def test_one_request_gets_the_best_window_on_the_real_curve(gains: list[float], 
     curve = CostModel([(1, 1.0), (2, 1.05), (4, 1.3), (5, 1.9), (6, 1.95)])
     cum = [1 + sum(gains[:n]) for n in range(6)]
     rate = [cum[n] / (curve(1 + n) + (over if n else 0.0)) for n in range(6)]
-    k, t = cost_windows([_req(0, 0)], [5], curve, per_request=over, gains=[gains])
+    k, t = cost_windows([_req(0, 0)], [5], curve, per_request=over, gains=[gains], trials=TRIALS)
     assert k == [rate.index(max(rate))] and t == curve(1 + k[0])
 
 
@@ -49,25 +55,25 @@ def test_accept_curves_chain_tree_and_nan() -> None:
     all: α^i."""
     r = _req(3, 4)  # (3 + 4·0.5) / (4 + 4) = 0.625 with no pooled record
     chain = Proposal(tokens=[[5, 6, 7, 8]], confidence=[torch.tensor([0.9, float("nan"), 1.5, -0.1])])
-    assert accept_curves([r], chain, [4])[0] == pytest.approx([0.9, 0.9 * 0.625, 0.9 * 0.625, 0.0])
-    assert accept_curves([r], chain, [2])[0] == pytest.approx([0.9, 0.9 * 0.625])
+    assert accept_curves([r], chain, [4], TRIALS)[0] == pytest.approx([0.9, 0.9 * 0.625, 0.9 * 0.625, 0.0])
+    assert accept_curves([r], chain, [2], TRIALS)[0] == pytest.approx([0.9, 0.9 * 0.625])
     tree = Proposal(tokens=[[5, 6, 7, 8]], parents=[[-1, -1, 0, 2]], confidence=[torch.tensor([0.8, 0.5, 0.5, 0.4])])
-    assert accept_curves([r], tree, [4])[0] == pytest.approx([0.8, 0.5, 0.4, 0.16])
+    assert accept_curves([r], tree, [4], TRIALS)[0] == pytest.approx([0.8, 0.5, 0.4, 0.16])
     bare = Proposal(tokens=[[5, 6, 7]])
-    assert accept_curves([r], bare, [3])[0] == pytest.approx([0.625, 0.625**2, 0.625**3])
+    assert accept_curves([r], bare, [3], TRIALS)[0] == pytest.approx([0.625, 0.625**2, 0.625**3])
 
 
 def test_poor_acceptance_and_linear_cost_choose_plain_decoding() -> None:
     linear = CostModel([(1, 1.0), (64, 64.0)])  # every verified token costs a full step
-    assert cost_windows([_req(0, 50), _req(1, 40)], [4, 4], linear)[0] == [0, 0]
+    assert cost_windows([_req(0, 50), _req(1, 40)], [4, 4], linear, trials=TRIALS)[0] == [0, 0]
 
 
 def test_cost_windows_never_plan_below_plain() -> None:
     cost = CostModel([(1, 1.0), (8, 1.5), (32, 6.0)])
     reqs = [_req(a, 20) for a in (0, 5, 10, 18)]
-    k, predicted = cost_windows(reqs, [8] * 4, cost)
+    k, predicted = cost_windows(reqs, [8] * 4, cost, trials=TRIALS)
     assert predicted == pytest.approx(cost(sum(k) + 4))
-    alphas = [(a + 1) / (t + 2) for a, t in (r.source_trials[r.draft_source] for r in reqs)]
+    alphas = [(a + 1) / (t + 2) for a, t in (TRIALS.per_request[r.request_id][r.draft_source] for r in reqs)]
     expected = sum((1 - a ** (kb + 1)) / (1 - a) for a, kb in zip(alphas, k))
     assert expected / cost(sum(k) + 4) >= 4 / cost(4)
     assert k[3] >= k[0]  # the request that accepts more gets at least as long a window
@@ -76,9 +82,9 @@ def test_cost_windows_never_plan_below_plain() -> None:
 def test_draft_cost_shortens_windows() -> None:
     verify = CostModel([(1, 1.0), (64, 1.5)])  # verifying extra tokens is nearly free
     reqs = [_req(6, 10), _req(6, 10)]  # α ≈ 0.58
-    free, _ = cost_windows(reqs, [6, 6], verify)
-    cheap, _ = cost_windows(reqs, [6, 6], verify, draft_step=CostModel([(1, 0.05), (64, 0.1)]))
-    dear, _ = cost_windows(reqs, [6, 6], verify, draft_step=CostModel([(1, 1.0), (64, 2.0)]))
+    free, _ = cost_windows(reqs, [6, 6], verify, trials=TRIALS)
+    cheap, _ = cost_windows(reqs, [6, 6], verify, draft_step=CostModel([(1, 0.05), (64, 0.1)]), trials=TRIALS)
+    dear, _ = cost_windows(reqs, [6, 6], verify, draft_step=CostModel([(1, 1.0), (64, 2.0)]), trials=TRIALS)
     assert free == [6, 6]
     assert sum(dear) < sum(cheap) <= sum(free)
     assert dear == [0, 0]  # a draft step as dear as a target step never pays at α ≈ 0.58
@@ -91,8 +97,8 @@ def test_draft_cost_learns_per_request_cost_and_stops_drafting() -> None:
     assert dc.per_request["draft"] == pytest.approx(0.5, rel=0.05)
     verify = CostModel([(1, 1.0), (64, 1.5)])
     reqs = [_req(6, 10), _req(6, 10)]
-    assert cost_windows(reqs, [4, 4], verify)[0] != [0, 0]
-    assert cost_windows(reqs, [4, 4], verify, per_request=dc.cost(reqs))[0] == [0, 0]
+    assert cost_windows(reqs, [4, 4], verify, trials=TRIALS)[0] != [0, 0]
+    assert cost_windows(reqs, [4, 4], verify, per_request=dc.cost(reqs), trials=TRIALS)[0] == [0, 0]
 
 
 def test_draft_cost_is_what_a_model_drafters_curve_misses() -> None:
@@ -113,11 +119,12 @@ def test_draft_cost_is_per_source() -> None:
     lookup, learned = _req(6, 10), _req(6, 10)
     for r, src in ((lookup, "lookup"), (learned, "learned")):
         r.draft_source = src
-        r.source_trials = {src: [6, 10]}
+        TRIALS.per_request[r.request_id] = {src: [6, 10]}
     assert dc.cost([lookup, learned]) == pytest.approx([0.01, 2.0], rel=0.05)
     verify = CostModel([(1, 1.0), (64, 1.5)])
-    assert cost_windows([lookup, learned], [4, 4], verify, per_request=dc.cost([lookup, learned]))[0][1] == 0
-    assert cost_windows([lookup, learned], [4, 4], verify, per_request=dc.cost([lookup, learned]))[0][0] > 0
+    cost = dc.cost([lookup, learned])
+    assert cost_windows([lookup, learned], [4, 4], verify, per_request=cost, trials=TRIALS)[0][1] == 0
+    assert cost_windows([lookup, learned], [4, 4], verify, per_request=cost, trials=TRIALS)[0][0] > 0
 
 
 def test_cost_curve_learns_the_real_step_times() -> None:
@@ -259,6 +266,7 @@ def test_cost_policy_drafts_at_least_one_position_of_an_explored_source(monkeypa
 
     pol = CostPolicy(EngineConfig(speculative_algorithm="NGRAM", speculative_window="cost"))
     pol.cost_model, pol.draft_cost_model, pol.whole = CostModel([(1, 1.0), (64, 1.5)]), None, False
+    pol.trials = TRIALS
     pol.drafter = type("D", (), {"sources": ("lookup", "learned")})()
     pol.draft_cost.per_request = {"learned": 100.0, "lookup": 100.0}  # both look far too dear
     a, b = _req(6, 10), _req(6, 10)
@@ -276,6 +284,7 @@ def test_cost_policy_idles_a_batch_size_whose_plans_draft_nothing(monkeypatch: p
 
     pol = CostPolicy(EngineConfig(speculative_algorithm="NGRAM", speculative_window="cost"))
     pol.cost_model, pol.draft_cost_model, pol.whole = CostModel([(1, 1.0), (64, 1.5)]), None, False
+    pol.trials = TRIALS
     pol.drafter = type("D", (), {"sources": ("draft",)})()
     monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": "open")
     reqs = [_req(6, 10), _req(6, 10)]
@@ -292,3 +301,25 @@ def test_cost_policy_idles_a_batch_size_whose_plans_draft_nothing(monkeypatch: p
     assert not pol.idle(2) and not pol.idle(3)  # planned again (and it stays empty: idle again after it)
     pol.plan(reqs, [4, 4])
     assert pol.idle(2)
+
+
+def test_acceptance_per_request_lives_in_the_policy_and_is_freed_at_finish() -> None:
+    """Each running request's acceptance per draft source is the window policy's state, keyed by request id,
+    recorded at commit and freed when the request ends; the pool over all requests stays (the prior of the
+    estimates of requests to come)."""
+    llm = LLM.from_model(tiny_model("llama"), speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
+    eng, running = llm.engine, []
+    step = eng.step
+
+    def spy() -> list:
+        out = step()
+        running.append(set(eng.policy.trials.per_request) - set(eng.requests))  # held for finished requests
+        running.append(set(eng.policy.trials.per_request))
+        return out
+
+    eng.step = spy
+    outs = llm.generate([[1, 2, 3, 1, 2, 3, 1, 2], [7] * 12], SamplingParams(temperature=0, max_tokens=20))
+    assert not any(running[0::2]) and any(running[1::2])  # recorded while running, never kept past the finish
+    pooled = eng.policy.trials.pooled
+    assert eng.policy.trials.per_request == {}
+    assert sum(a for a, _ in pooled.values()) == sum(o.meta_info["spec_accepted_tokens"] for o in outs) > 0

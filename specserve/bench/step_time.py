@@ -57,7 +57,7 @@ def _kind(name: str) -> str:
 def _step(engine, n_new: int, ctx: int):  # noqa: ANN001, ANN202
     pt: list[int] = []
     engine.kv.ensure(pt, ctx + n_new)
-    runner = runtime.runner
+    runner = engine.runner
     runner.forward([pt], [0], [[1] * ctx], [[ctx - 1]])  # fill the context once
     fn = lambda: runner.forward([pt], [ctx], [[1] * n_new], [list(range(n_new))])  # noqa: E731
     return fn, pt

@@ -52,7 +52,7 @@ def run(a: argparse.Namespace) -> dict:
             for i in range(a.repeats + 1):  # the first round warms up
                 for mode in times:
                     t = time.perf_counter()
-                    verify(runtime.runner, reqs, prop, mode)
+                    verify(engine.runner, reqs, prop, mode)
                     if i:
                         times[mode].append(time.perf_counter() - t)
             for r in reqs:

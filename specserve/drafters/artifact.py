@@ -11,18 +11,23 @@ import dataclasses
 import logging
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
 from safetensors.torch import load_file, save_file
 
 from ..models.config import ModelConfig
 from ..models.llama import LlamaModel
-from .base import Capabilities, Drafter, register_drafter
+from .base import AUTO_ARTIFACT, Capabilities, Drafter, register_drafter
 from .context import DrafterContext
 from .dflash import BlockDrafter, DFlashNet
 from .dspark import DSparkNet
 from .eagle3 import ChainDrafter, Eagle3Net
 from .mtp import MtpNet
 from .nets import DraftNet, DrafterConfig
+
+if TYPE_CHECKING:
+    from ..config import EngineConfig
 
 log = logging.getLogger("specserve")
 NETS: dict[str, type[DraftNet]] = {"eagle3": Eagle3Net, "mtp": MtpNet, "dflash": DFlashNet, "dspark": DSparkNet}
@@ -75,12 +80,11 @@ def _norm(name: str) -> str:
 
 def load_drafter(path: str | Path, target: LlamaModel, dtype: torch.dtype = torch.float32,
                  block_size: int | None = None) -> DraftNet:
+    """`block_size`: serve a block drafter at this block size (NOTE: spec_settings checked it against the
+    trained one)."""
     cfg = read_config(path)
     check_target(cfg, target.cfg, path)
-    if block_size is not None:
-        if not cfg.is_block or block_size > cfg.block_size:
-            raise ValueError(f"--speculative-block-size {block_size}: this drafter was trained "
-                             f"with block size {cfg.block_size}; use a value in [2, {cfg.block_size}]")
+    if block_size is not None and cfg.is_block:
         cfg = dataclasses.replace(cfg, block_size=block_size)
     net = build_net(cfg)
     net.load_state_dict(load_file(str(Path(path) / "model.safetensors")), strict=True)
@@ -101,27 +105,29 @@ def shipped_drafter(target: ModelConfig, algorithm: str) -> Path | None:
     return None
 
 
+def learned_artifact(c: "EngineConfig", target: ModelConfig, algorithm: str) -> Path | None:
+    """The artifact `algorithm` loads (HYBRID: its learned drafter): --speculative-draft-model-path, else the
+    one shipped for the target."""
+    if c.speculative_draft_model_path:
+        return Path(c.speculative_draft_model_path)
+    return shipped_drafter(target, AUTO_ARTIFACT if algorithm.upper() == "HYBRID" else algorithm.lower())
+
+
 def learned_factory(algorithm: str):  # noqa: ANN202
     def make(ctx: DrafterContext) -> Drafter:
         c, t = ctx.config, ctx.target
-        path = c.speculative_draft_model_path or shipped_drafter(t.cfg, algorithm)
+        path = learned_artifact(c, t.cfg, algorithm)
         if path is None:
             raise ValueError(f"--speculative-draft-model-path: no {algorithm.upper()} drafter given and none ships for "
                              f"{t.cfg.name!r}; train one: specserve train-drafter --target {c.model} --algorithm {algorithm}")
         dtype = ctx.draft_dtype(torch.float64 if t.dtype == torch.float64 else torch.float32, quantized=False)
-        net = load_drafter(path, t, dtype, c.speculative_block_size)
+        net = load_drafter(path, t, dtype, ctx.settings.block_size)
         if net.cfg.algorithm != algorithm:
             raise ValueError(f"--speculative-draft-model-path: {path} is a {net.cfg.algorithm.upper()} drafter, "
                              f"not {algorithm.upper()}; pass --speculative-algorithm {net.cfg.algorithm.upper()}")
         runtime = BlockDrafter if net.cfg.is_block else ChainDrafter
         drafter = runtime(ctx, net, algorithm.upper())
         drafter.path = Path(path)
-        if net.cfg.is_block:
-            B, k = net.cfg.block_size, c.speculative_num_draft_tokens
-            if k is not None and k > B - 1:
-                raise ValueError(f"--speculative-num-draft-tokens {k} exceeds the block: {path} drafts blocks of "
-                                 f"{B} (at most {B - 1} tokens); lower it or omit it")
-            drafter.default_num_draft_tokens = B - 1
         return drafter
 
     return make
@@ -129,7 +135,8 @@ def learned_factory(algorithm: str):  # noqa: ANN202
 
 _CHAIN = Capabilities(tree=True, features=True, samples=True, draft_model=True)
 _BLOCK = Capabilities(block=True, features=True, samples=True, draft_model=True)
-register_drafter("EAGLE3", _CHAIN, aliases=("EAGLE",))(learned_factory("eagle3"))
-register_drafter("MTP", _CHAIN, aliases=("NEXTN",))(learned_factory("mtp"))
-register_drafter("DFLASH", _BLOCK)(learned_factory("dflash"))
-register_drafter("DSPARK", dataclasses.replace(_BLOCK, default_window="confidence"))(learned_factory("dspark"))
+register_drafter("EAGLE3", _CHAIN, aliases=("EAGLE",), help="EAGLE-3 chains or EAGLE-2 trees over target features")(learned_factory("eagle3"))
+register_drafter("MTP", _CHAIN, aliases=("NEXTN",), help="a multi-token-prediction layer, drafted as a chain")(learned_factory("mtp"))
+register_drafter("DFLASH", _BLOCK, help="a block of drafts in one forward")(learned_factory("dflash"))
+register_drafter("DSPARK", dataclasses.replace(_BLOCK, default_window="confidence"),
+                 help="DFlash with a Markov transition term and a confidence head")(learned_factory("dspark"))

@@ -12,8 +12,10 @@ NOTE: after commit, the drafter must agree with the target about what is committ
 built for rejected drafts is dropped (truncated), never reused.
 
 Adding a drafter: one module with a factory `(DrafterContext) → Drafter` decorated with
-`@register_drafter(NAME, Capabilities(...))`, and its module name in `_MODULES`. Config validation
-(`validate_flags`) reads the capabilities: a flag the algorithm does not use is refused by name.
+`@register_drafter(NAME, Capabilities(...), help=...)`, and its module name in `_MODULES`. The registry
+is the one list: --speculative-algorithm's names and help, the flags only some algorithms take
+(`algorithm_flags`), and config validation (`validate_flags`: a flag the algorithm does not use is
+refused by name) are read from it.
 """
 from __future__ import annotations
 
@@ -40,8 +42,6 @@ class Drafter(ABC):
     label: str = ""
     #: target layers whose outputs the drafter consumes (learned drafters); () = no capture at all.
     aux_layers: tuple[int, ...] = ()
-    #: draft tokens per step when --speculative-num-draft-tokens is not given.
-    default_num_draft_tokens: int = 4
     #: pays for its whole window up front (DFlash/DSpark blocks: one forward; EAGLE-2 trees: their
     #: depth), so window policies that weigh cost choose windows after drafting, from the confidence.
     drafts_whole_window: bool = False
@@ -71,7 +71,7 @@ class Drafter(ABC):
 class Capabilities:
     """What an algorithm does, hence which flags apply to it (`flags`)."""
 
-    block: bool = False  # drafts a block in one forward: --speculative-block-size, --speculative-lattice-topk
+    block: bool = False  # drafts a block in one forward: --speculative-(dspark-)block-size, --speculative-lattice-topk
     tree: bool = False  # chain runtime with depth and EAGLE-2 trees: --speculative-num-steps, --speculative-eagle-topk
     features: bool = False  # consumes target hidden states: --speculative-draft-attention-window
     samples: bool = False  # samples drafts with q at T > 0 (sample/block acceptance): --speculative-greedy-draft
@@ -88,21 +88,19 @@ class Capabilities:
         return frozenset(out)
 
 
-_CAP_FLAGS = {"block": ("speculative_block_size", "speculative_lattice_topk"),
+_CAP_FLAGS = {"block": ("speculative_block_size", "speculative_dspark_block_size", "speculative_lattice_topk"),
               "tree": ("speculative_num_steps", "speculative_eagle_topk"),
               "features": ("speculative_draft_attention_window",),
               "samples": ("speculative_greedy_draft",),
               "draft_model": ("speculative_draft_model_path", "speculative_draft_dtype")}
-#: fields that only some algorithms use (every other speculative_* field applies to all of them)
-ALGORITHM_FLAGS = frozenset({n for names in _CAP_FLAGS.values() for n in names} | {
-    "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_ngram_table", "speculative_draft_vocab",
-    "speculative_synthetic_accept_rate"})
 TREE_STEPS, TREE_NODES = 4, 8  # EAGLE-2 tree defaults: depth, nodes besides the root
 #: what AUTO resolves to (spec/resolve.py), first choice first: NGRAM over the corpus n-gram table shipped for
 #: the target (prompt lookup, else the table: microseconds per draft), else HYBRID over the shipped DSpark
 #: (prompt lookup, else the learned drafter); each source gated on its own by `cost`. The flags of both apply.
 AUTO_ALGORITHMS = ("NGRAM", "HYBRID")
 AUTO_ARTIFACT = "dspark"  # the shipped learned drafter HYBRID needs
+AUTO_HELP = ("NGRAM over the n-gram table shipped for the target, else HYBRID over its shipped DSpark, else plain "
+             "decoding (the default of serve/generate/chat)")
 
 Factory = Callable[["DrafterContext"], Drafter]
 
@@ -113,6 +111,7 @@ class DrafterEntry:
     factory: Factory
     caps: Capabilities
     aliases: tuple[str, ...] = ()
+    help: str = ""  # --speculative-algorithm's help for it
 
 
 _REGISTRY: dict[str, DrafterEntry] = {}
@@ -120,10 +119,10 @@ _REGISTRY: dict[str, DrafterEntry] = {}
 _MODULES = ("ngram", "standalone", "synthetic", "artifact", "hybrid")
 
 
-def register_drafter(name: str, caps: Capabilities | None = None,
-                     aliases: tuple[str, ...] = ()) -> Callable[[Factory], Factory]:
+def register_drafter(name: str, caps: Capabilities | None = None, aliases: tuple[str, ...] = (),
+                     help: str = "") -> Callable[[Factory], Factory]:  # noqa: A002
     def deco(factory: Factory) -> Factory:
-        _REGISTRY[name] = DrafterEntry(name, factory, caps or Capabilities(), aliases)
+        _REGISTRY[name] = DrafterEntry(name, factory, caps or Capabilities(), aliases, help)
         return factory
 
     return deco
@@ -133,6 +132,38 @@ def registry() -> dict[str, DrafterEntry]:
     for m in _MODULES:
         importlib.import_module(f"{__package__}.{m}")
     return _REGISTRY
+
+
+def algorithm_flags() -> frozenset[str]:
+    """Fields that only some algorithms use (every other speculative_* field applies to all of them)."""
+    return frozenset({n for names in _CAP_FLAGS.values() for n in names}
+                     | {n for e in registry().values() for n in e.caps.extra_flags})
+
+
+def __getattr__(name: str) -> frozenset[str]:
+    # NOTE: ALGORITHM_FLAGS is derived from the registry, which fills as drafter modules import: computed on use
+    if name == "ALGORITHM_FLAGS":
+        return algorithm_flags()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def algorithm_help() -> str:
+    """--speculative-algorithm's help, from the registry."""
+    def one(e: DrafterEntry) -> str:
+        alias = f" ({', '.join(e.aliases)})" if e.aliases else ""
+        return f"{e.name}{alias}" + (f" = {e.help}" if e.help else "")
+
+    return f"drafter: {'; '.join(one(e) for _, e in sorted(registry().items()))}; NONE = plain decoding; AUTO = {AUTO_HELP}"
+
+
+def window_defaults_help() -> str:
+    """Which verify-window policy each algorithm gets when --speculative-window is not given."""
+    by: dict[str, list[str]] = {}
+    for name in [*sorted(registry()), "AUTO"]:
+        by.setdefault(default_window(name), []).append(name)
+    common = max(by, key=lambda w: len(by[w]))
+    return "Default: " + ", ".join(f"{w} for {'/'.join(ns)}" for w, ns in by.items() if w != common) + \
+        f", {common} otherwise"
 
 
 def canonical_algorithm(name: str) -> str:
@@ -170,12 +201,13 @@ def create_drafter(name: str, ctx: "DrafterContext") -> Drafter:
 
 
 def validate_flags(c: "EngineConfig") -> None:
-    """Refuse, naming the flag, every option the chosen algorithm would silently ignore."""
+    """Refuse, naming the flag, every option the chosen algorithm would silently ignore (the acceptance rule
+    and K/depth/block are checked with the rest of the speculative settings: spec/resolve.py)."""
     def flag(name: str) -> str:
         return name.replace("_", "-")
 
     algo, caps = c.speculative_algorithm, capabilities(c.speculative_algorithm)
-    for name in sorted(ALGORITHM_FLAGS - caps.flags()):
+    for name in sorted(algorithm_flags() - caps.flags()):
         if getattr(c, name) is not None:
             raise ValueError(f"--{flag(name)} does not apply to --speculative-algorithm {algo}")
     if caps.needs_draft_model_path and not c.speculative_draft_model_path:
@@ -183,24 +215,3 @@ def validate_flags(c: "EngineConfig") -> None:
     window = c.speculative_window or default_window(algo)
     if c.speculative_confidence_threshold is not None and window != "confidence":
         raise ValueError(f"--speculative-confidence-threshold applies to --speculative-window confidence, not {window}")
-    deterministic = (not caps.samples or c.value("speculative_greedy_draft") or c.value("speculative_lattice_topk"))
-    if c.speculative_accept == "block" and deterministic:
-        why = ("--speculative-lattice-topk drafts" if c.value("speculative_lattice_topk") else
-               "--speculative-greedy-draft drafts" if c.value("speculative_greedy_draft") else f"{algo} drafts")
-        raise ValueError(f"--speculative-accept block needs draft distributions q, but {why} are deterministic "
-                         "(verified one-hot); use auto or onehot")
-    k, b = c.speculative_num_draft_tokens, c.speculative_block_size
-    if k is not None and b is not None and k > b - 1:
-        raise ValueError(f"--speculative-num-draft-tokens {k} exceeds the block: a block of {b} drafts at most {b - 1}")
-    topk = c.value("speculative_eagle_topk")
-    if topk == 1 and c.speculative_num_steps is not None and k is not None:
-        raise ValueError("--speculative-num-steps is the chain length, which --speculative-num-draft-tokens already "
-                         "sets (give one of them)")
-    if topk > 1:
-        if c.speculative_accept == "block":
-            raise ValueError("--speculative-accept block verifies chains; trees (--speculative-eagle-topk > 1) "
-                             "use their own lossless walk: use auto")
-        d = c.speculative_num_steps or TREE_STEPS
-        if k is not None and not 1 <= k <= topk + (d - 1) * topk * topk:
-            raise ValueError(f"--speculative-num-draft-tokens must be in [1, {topk + (d - 1) * topk * topk}] for a "
-                             f"tree of depth {d} and topk {topk}, got {k}")

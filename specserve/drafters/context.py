@@ -68,12 +68,24 @@ class KVBudget:
         return StatePool(cfg, n, sdt)
 
 
+@dataclass(frozen=True)
+class SpecSettings:
+    """The speculative settings, resolved once (spec/resolve.py:spec_settings is their one source)."""
+
+    num_draft_tokens: int  # K: drafts per request per step (trees: nodes besides the root)
+    num_steps: int  # EAGLE3/MTP: chain or tree depth (0: a chain of K)
+    topk: int  # EAGLE3/MTP: children per expanded node (1: chains)
+    block_size: int | None  # block drafters: rows per drafted block, the anchor included (None: not one)
+    window: str  # the verify-window policy
+
+
 @dataclass
 class DrafterContext:
     config: EngineConfig  # resolved: AUTO and the window policy are concrete
     target: LlamaModel
     tokenizer: object | None
     kv_budget: KVBudget
+    settings: SpecSettings
     #: cumulative draft confidence below which a drafter may stop drafting a request (the window
     #: policy would not verify those positions anyway); 0 = draft the whole window
     floor: float = 0.0

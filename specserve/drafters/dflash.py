@@ -154,16 +154,16 @@ class BlockDrafter(LearnedDrafter):
             t = self.net.transition(prev[idx])
             if t is not None:
                 logits = logits + t
-            c = self.net.confidence(o[idx, k], logits)
-            if c is None:  # DFlash: the draft probability of its chosen (argmax) token
-                c = torch.softmax(logits, dim=-1).amax(dim=-1)
+            head = self.net.confidence(o[idx, k], logits)  # DSpark's confidence head; DFlash has none
+            probs = torch.softmax(logits, dim=-1) if head is None else None
             for j, i in enumerate(rows):
                 b = active[i][0]
-                tok, q = self._choose(reqs[b], logits[j], tokens[b])
+                tok, q, p_tok = self._choose(reqs[b], logits[j], tokens[b], None if probs is None else probs[j])
+                c = p_tok if head is None else head[j]  # DFlash: the draft probability of the token drafted
                 tokens[b].append(tok)
                 prev[i] = tok
-                live[i] *= float(c[j])
-                conf[b].append(c[j])
+                live[i] *= float(c)
+                conf[b].append(c)
                 if q is not None:
                     qs[b].append(q)
         q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]

@@ -16,7 +16,6 @@ from torch import nn
 from ..core import Proposal, Request
 from ..cache.kv_pool import OutOfPages
 from ..models.forward_batch import build_forward_batch
-from .base import TREE_NODES, TREE_STEPS
 from .context import DrafterContext
 from .learned import FeatState, LearnedDrafter
 from .nets import DraftLayer, DraftNet, DrafterConfig, paged
@@ -77,13 +76,8 @@ class ChainDrafter(LearnedDrafter):
 
     def __init__(self, ctx: DrafterContext, net: DraftNet, label: str) -> None:
         super().__init__(ctx, net, label)
-        c = ctx.config
-        self.topk = c.value("speculative_eagle_topk")
-        self.steps = c.speculative_num_steps or (TREE_STEPS if self.topk > 1 else 0)
-        if self.topk > 1:
-            self.default_num_draft_tokens, self.drafts_whole_window = TREE_NODES, True
-        elif self.steps:
-            self.default_num_draft_tokens = self.steps
+        self.topk, self.steps = ctx.settings.topk, ctx.settings.num_steps
+        self.drafts_whole_window = self.topk > 1  # a tree costs its depth whatever its node count
 
     def _new_state(self) -> FeatState:
         H, n_aux = self.net.cfg.target_hidden_size, len(self.aux_layers)
@@ -147,13 +141,13 @@ class ChainDrafter(LearnedDrafter):
         step, live = 0, [1.0] * len(reqs)  # cumulative confidence: stop below `stop_below`
         while active:
             logits = self.net.logits(o)
-            top = torch.softmax(logits, dim=-1).amax(dim=-1)
+            probs = torch.softmax(logits, dim=-1)
             keep, keep_rows = [], []
             for i, ((b, w), row) in enumerate(zip(active, logits)):
-                tok, q = self._choose(reqs[b], row, tokens[b])
-                conf[b].append(top[i])
+                tok, q, c = self._choose(reqs[b], row, tokens[b], probs[i])
+                conf[b].append(c)
                 tokens[b].append(tok)
-                live[b] *= float(top[i])
+                live[b] *= float(c)
                 if q is not None:
                     qs[b].append(q)
                 if len(tokens[b]) < w and live[b] >= self.stop_below:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..core import Proposal, Request
-from .artifact import learned_factory, read_config
-from .base import Capabilities, Drafter, register_drafter
+from .artifact import learned_artifact, learned_factory, read_config
+from .base import AUTO_ARTIFACT, Capabilities, Drafter, register_drafter
 from .context import DrafterContext
 from .learned import LearnedDrafter
 from .ngram import RequestLookups
@@ -29,7 +29,6 @@ class HybridDrafter(Drafter):
         self.label = f"HYBRID(NGRAM+{learned.label})"
         self.aux_layers = learned.aux_layers
         self.supplies_q = learned.supplies_q
-        self.default_num_draft_tokens = learned.default_num_draft_tokens
         self.drafts_whole_window = learned.drafts_whole_window
         self.lookup = RequestLookups(min_match, max_match)
 
@@ -59,11 +58,12 @@ class HybridDrafter(Drafter):
 
 @register_drafter("HYBRID", Capabilities(block=True, features=True, samples=True, draft_model=True,
                                          default_window="confidence",
-                                         extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match")))
+                                         extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match")),
+                  help="n-gram lookup on long matches, else the learned drafter")
 def _make(ctx: DrafterContext) -> Drafter:
     c = ctx.config
-    path = c.speculative_draft_model_path
-    learned = learned_factory(read_config(path).algorithm if path else "dspark")(ctx)
+    path = learned_artifact(c, ctx.target_cfg, "HYBRID")
+    learned = learned_factory(read_config(path).algorithm if path else AUTO_ARTIFACT)(ctx)
     max_match = c.value("speculative_ngram_max_match")
     min_match = c.speculative_ngram_min_match or min(LONG_MATCH, max_match)
     return HybridDrafter(learned, min_match, max_match)

@@ -110,7 +110,7 @@ class LearnedDrafter(Drafter):
 
     def ctx_first(self, seq_len: int) -> int:
         """First position a draft round reads: the last W committed positions up to the anchor
-        (position seq_len − 1) — everything, without --speculative-draft-window-size."""
+        (position seq_len − 1) — everything, without --speculative-draft-attention-window."""
         return 0 if self.window is None else max(0, seq_len - self.window)
 
     def trim(self, st: FeatState) -> None:
@@ -138,20 +138,26 @@ class LearnedDrafter(Drafter):
         if st is not None:
             self.kv.release(st.page_table)
 
-    def _choose(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
-        """One draft token from draft-vocabulary logits [V_d], processed as the target processes its
-        row (grammar mask, penalties, temperature, top-k/p, min-p) so that q is the distribution it was
-        drawn from. Under a grammar that allows nothing in the draft vocabulary, the draft is drawn
-        uniformly from what it allows (a valid draft with its true q, likely rejected)."""
+    def _choose(self, req: Request, logits: torch.Tensor, drafts: list[int],
+                probs: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """One draft token from draft-vocabulary logits [V_d] (`probs`: their softmax), processed as the target
+        processes its row (grammar mask, penalties, temperature, top-k/p, min-p) so that q is the distribution
+        it was drawn from (`probs` None: the caller needs no confidence from an argmax). Under a grammar that allows nothing in the draft vocabulary, the draft is drawn
+        uniformly from what it allows (a valid draft with its true q, likely rejected).
+        Returns (token, q or None, its draft confidence). NOTE: the confidence is the probability of the
+        token drafted, under the distribution it was chosen from (q; argmax: `probs` over what the grammar
+        allows), never the row's top probability: at T > 0 or under a grammar those differ."""
         ids = self.net.draft_ids
         allowed = grammar_allowed(req, drafts)
         ok = None if allowed is None or not bool(allowed.any()) else allowed[ids]
         if req.params.greedy or self.greedy_draft:  # deterministic: verified one-hot
             if ok is None:
-                return int(ids[int(logits.argmax())]), None
-            if not bool(ok.any()):
-                return int(allowed.nonzero()[0]), None
-            return int(ids[int(logits.masked_fill(~ok, float("-inf")).argmax())]), None
+                j = int(logits.argmax())
+                return int(ids[j]), None, None if probs is None else probs[j]
+            if not bool(ok.any()):  # the draft puts no mass there
+                return int(allowed.nonzero()[0]), None, None if probs is None else probs.new_zeros(())
+            j = int(logits.masked_fill(~ok, float("-inf")).argmax())
+            return int(ids[j]), None, None if probs is None else probs[j] / probs[ok].sum()
         dt = torch.promote_types(logits.dtype, torch.float32)
         full = logits.new_full((self.vocab,), float("-inf"), dtype=dt)
         full[ids] = logits.to(dt)  # q is 0 outside the draft vocabulary
@@ -162,4 +168,5 @@ class LearnedDrafter(Drafter):
         q = torch.softmax(x, dim=-1)
         if not bool(torch.isfinite(q).all()):  # NOTE: raised, not sampled: the engine fails this request alone
             raise FloatingPointError("draft distribution contains NaN/Inf (non-finite target features or draft weights)")
-        return sample(q, req.generator), q
+        tok = sample(q, req.generator)
+        return tok, q, q[tok]

@@ -136,7 +136,7 @@ def load_table(ctx: DrafterContext) -> NgramTable | None:
 
 @register_drafter("NGRAM", Capabilities(extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match",
                                                      "speculative_ngram_table")),
-                  aliases=("PROMPT_LOOKUP",))
+                  aliases=("PROMPT_LOOKUP",), help="prompt lookup, then a corpus n-gram table")
 def _make(ctx: DrafterContext) -> Drafter:
     c = ctx.config
     table = load_table(ctx)

@@ -200,6 +200,6 @@ def load_draft_model(ctx: DrafterContext) -> "LlamaModel":
 
 @register_drafter("STANDALONE", Capabilities(samples=True, draft_model=True, needs_draft_model_path=True,
                                              extra_flags=("speculative_draft_vocab",)),
-                  aliases=("DRAFT_MODEL",))
+                  aliases=("DRAFT_MODEL",), help="a smaller model of the target's vocabulary")
 def _make(ctx: DrafterContext) -> Drafter:
     return StandaloneDrafter(build_draft_runner(ctx, load_draft_model(ctx)), ctx.greedy_draft)

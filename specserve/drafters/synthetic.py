@@ -46,7 +46,8 @@ class SyntheticDrafter(StandaloneDrafter):
         return tok, None
 
 
-@register_drafter("SYNTHETIC", Capabilities(extra_flags=("speculative_synthetic_accept_rate",)))
+@register_drafter("SYNTHETIC", Capabilities(extra_flags=("speculative_synthetic_accept_rate",)),
+                  help="the target's token at a set rate (tests/benchmarks only)")
 def _make(ctx: DrafterContext) -> Drafter:
     c = ctx.config
     return SyntheticDrafter(build_draft_runner(ctx, ctx.target), c.value("speculative_synthetic_accept_rate"), c.seed)

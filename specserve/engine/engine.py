@@ -35,7 +35,7 @@ from ..spec.accept import accept_request
 from ..spec.grammar import cut_to_grammar, forced_drafts, with_forced
 from ..spec.commit import AdvanceKV, CommitStage, CommitState, Committed, DraftState, Emit, KeepPath
 from ..spec.policy import StepStats, make_policy
-from ..spec.resolve import resolve_config
+from ..spec.resolve import resolve_config, resolve_settings
 from ..spec.verify import verify
 from ..runtime.isolate import isolate
 from ..runtime.output import Emitter
@@ -66,8 +66,10 @@ class Engine:
         self.states = budget.state_pool(mcfg, self.dtype, config.max_running_requests) if mcfg.is_hybrid else None
         self.policy = make_policy(config.speculative_window if config.speculative_algorithm else "fixed", config)
         self.drafter: Drafter | None = None
-        if config.speculative_algorithm:  # NOTE: the drafter reserves its pool before the target's is sized
-            ctx = DrafterContext(config, model, tokenizer, budget, self.policy.floor)
+        #: K, depth, block size, window: resolved once, with the drafter artifact's trained shape
+        self.settings = resolve_settings(config, mcfg) if config.speculative_algorithm else None
+        if self.settings:  # NOTE: the drafter reserves its pool before the target's is sized
+            ctx = DrafterContext(config, model, tokenizer, budget, self.settings, self.policy.floor)
             self.drafter = create_drafter(config.speculative_algorithm, ctx)
         self.tp = start_tensor_parallel(config, mcfg) if config.tp_size > 1 else None
         # NOTE: under TP each rank's pool holds its KV heads only; rank 0's shard is the largest
@@ -83,8 +85,7 @@ class Engine:
             self.runner = ModelRunner(model, self.kv, self.states)
         # target layers whose hidden states the drafter consumes; () = capture nothing
         self.aux_layers: tuple[int, ...] = self.drafter.aux_layers if self.drafter else ()
-        k = config.speculative_num_draft_tokens
-        self.num_draft_tokens = (self.drafter.default_num_draft_tokens if k is None else k) if self.drafter else 0
+        self.num_draft_tokens = self.settings.num_draft_tokens if self.drafter else 0
         # structured output: forced-token drafts may run past the drafter's window (grammar requests only)
         self.forced_draft_tokens = config.grammar_forced_drafts and max(config.grammar_forced_drafts, self.num_draft_tokens)
         self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests, self._lookahead,
@@ -97,10 +98,10 @@ class Engine:
         self.stats = SpecStats()
         self.verify_mode = config.speculative_verify_packing
         steps = [KeepPath(self.kv), *([CommitState(self.states)] if self.states else []), AdvanceKV(),
-                 Emit(self.emitter, self.stats, self._finish)]
+                 Emit(self.emitter, self.stats, self.policy.trials, self._finish)]
         self.commit_stage = CommitStage(steps + ([DraftState(self.drafter)] if self.drafter else []), self._fail)
         if self.drafter:
-            self.policy.bind(self.runner, self.drafter, self.stats)
+            self.policy.bind(self.runner, self.drafter)
         self._grammars = GrammarCompiler(config.grammar_backend, self.tokenizer, mcfg.vocab_size, self.eos_ids)
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -298,4 +299,5 @@ class Engine:
         self.emitter.forget(r.request_id)
         if self.drafter:
             self.drafter.release(r)
+        self.policy.release(r)
         self.requests.pop(r.request_id, None)

@@ -66,13 +66,15 @@ def _rope_scaling(reader: Any, arch: str, freqs: np.ndarray | None, head_dim: in
     kind = _field(reader, f"{arch}.rope.scaling.type")
     factor = _field(reader, f"{arch}.rope.scaling.factor")
     orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
-    if kind in ("linear", "yarn") and factor:
+    # NOTE: only what rope_inv_freq (llama.py) computes is read: a type it lacks (yarn) is refused here, by name
+    if kind == "linear" and factor:
         out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
         if orig:
             out["original_max_position_embeddings"] = int(orig)
         return out
     if kind not in (None, "none"):
-        raise ValueError(f"unsupported GGUF rope scaling type {kind!r} (supported: linear, yarn, llama3)")
+        raise ValueError(f"unsupported GGUF rope scaling type {kind!r} (supported: linear, and llama3 "
+                         "from rope_freqs)")
     if freqs is not None:
         return _llama3_from_freqs(freqs, head_dim, theta)
     return None

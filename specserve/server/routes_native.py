@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .. import __version__
+from ..spec.accept import choose_rule
 from .common import SSE_DONE, SSE_HEADERS, Server, check_api_key, collect, deltas, encode_prompts, expand, render_chat, \
     server, sse, submit
 from .protocol import DetokenizeRequest, GenerateRequest, RequestError, TokenizeRequest
@@ -124,6 +125,9 @@ async def server_info(request: Request) -> Any:
             "speculative": None if eng.drafter is None else {
                 "algorithm": eng.config.speculative_algorithm, "drafter": eng.drafter.label,
                 "num_draft_tokens": eng.num_draft_tokens, "accept": srv.config.speculative_accept,
+                # what verifies sampled requests (temperature 0: greedy, always)
+                "accept_rule": "tree walk" if eng.settings.topk > 1 else
+                choose_rule(False, eng.drafter.supplies_q, eng.config.speculative_accept),
                 "verify_mode": eng.verify_mode, "supplies_q": eng.drafter.supplies_q,
                 "draft_model_path": str(getattr(eng.drafter, "path", "") or "") or None,
             },

@@ -1,8 +1,8 @@
 """ACCEPT stage for one request: process the target rows, pick the rule, run it.
 
-Rule per request: temperature 0 → greedy; a deterministic draft (q absent) → onehot;
-a sampled draft → `sample`, or `block` when --speculative-accept block; a tree draft (parents
-given; its children are deterministic) → the tree walk, greedy or sample-and-match.
+Rule per request (`choose_rule`, over the registry spec/rules.py:RULES): temperature 0 → greedy;
+a deterministic draft (q absent) → onehot; a sampled draft → the configured rule (auto: `sample`);
+a tree draft (parents given; its children are deterministic) → the tree walk, greedy or sample-and-match.
 """
 from __future__ import annotations
 
@@ -13,15 +13,16 @@ import torch
 from ..core import AcceptResult, Request
 from ..runtime.sampling import target_logits
 from .grammar import masked_chain, masked_row
-from .rules import accept_block, accept_greedy, accept_onehot, accept_sample, walk_tree
+from .rules import AUTO_RULE, RULES, walk_tree
 
 
 def choose_rule(greedy: bool, has_q: bool, configured: str) -> str:
+    """NOTE: config refuses rules no flag may select (greedy), so T > 0 never runs greedy acceptance."""
     if greedy:
         return "greedy"
     if not has_q:
         return "onehot"
-    return "block" if configured == "block" else ("onehot" if configured == "onehot" else "sample")
+    return AUTO_RULE if configured == "auto" else configured
 
 
 def _probs(x: torch.Tensor) -> torch.Tensor:
@@ -76,17 +77,12 @@ def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.T
     except ValueError as e:
         return AcceptResult(0, [], error=str(e))
     x = target_logits(raw, req.params, req.prompt_ids, req.output_ids, draft)
-    rule = choose_rule(req.params.greedy, q is not None, configured)
-    if rule == "greedy":
-        n, y = accept_greedy(x, draft)
+    rule = RULES[choose_rule(req.params.greedy, q is not None, configured)]
+    if rule.on_logits:
+        n, y = rule.run(x, None, draft, None)
     else:
         p = _probs(x)
         if not all_finite(p):
             return AcceptResult(0, [], error=_BAD_P)
-        if rule == "onehot":
-            n, y = accept_onehot(p, draft, req.generator)
-        elif rule == "sample":
-            n, y = accept_sample(p, q.to(p.dtype), draft, req.generator)
-        else:
-            n, y = accept_block(p, q.to(p.dtype), draft, req.generator)
+        n, y = rule.run(p, None if q is None else q.to(p.dtype), draft, req.generator)
     return AcceptResult(n, draft[:n] + [y])

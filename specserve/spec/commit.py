@@ -32,6 +32,7 @@ from ..drafters.base import Drafter
 from ..runtime.isolate import isolate
 from ..runtime.output import Emitter
 from ..models.forward_batch import RowStates
+from .cost import AcceptTrials
 
 
 @dataclass
@@ -99,8 +100,9 @@ class AdvanceKV(CommitStep):
 
 
 class Emit(CommitStep):
-    def __init__(self, emitter: Emitter, stats: SpecStats, finish: Callable[[Request, str], None]) -> None:
-        self.emitter, self.stats, self.finish = emitter, stats, finish
+    def __init__(self, emitter: Emitter, stats: SpecStats, trials: AcceptTrials,
+                 finish: Callable[[Request, str], None]) -> None:
+        self.emitter, self.stats, self.trials, self.finish = emitter, stats, trials, finish
 
     def apply(self, items: list[Committed]) -> None:
         for c in items:
@@ -114,9 +116,7 @@ class Emit(CommitStep):
                 r.spec_draft_tokens += c.num_draft
                 r.spec_accepted_tokens += n_acc
                 tested = n_acc + (n_acc < c.num_draft)  # a rejection ends a chain
-                for st in (r.source_trials.setdefault(r.draft_source, [0, 0]),
-                           self.stats.source_trials.setdefault(r.draft_source, [0, 0])):
-                    st[0], st[1] = st[0] + n_acc, st[1] + tested
+                self.trials.record(r, n_acc, tested)
                 count_per_pos(r.spec_accepted_per_pos, c.num_draft, n_acc)
                 self.stats.record(c.num_draft, n_acc)
             if reason is not None:

@@ -148,14 +148,34 @@ class CostModel:
 POOLED_WEIGHT = 4.0
 
 
-def acceptance_estimate(r: Request, pooled: dict[str, list[int]] | None = None) -> float:
+@dataclass
+class AcceptTrials:
+    """Accepted / tested draft positions per draft source (a rejection ends a chain), for each running request
+    (keyed by request id; `release` frees a finished request's) and pooled over every request. The window
+    policy owns it; the commit stage records into it."""
+
+    per_request: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    pooled: dict[str, list[int]] = field(default_factory=dict)
+
+    def record(self, r: Request, accepted: int, tested: int) -> None:
+        """r's verify this step, credited to the source that drafted for it (r.draft_source)."""
+        for st in (self.per_request.setdefault(r.request_id, {}).setdefault(r.draft_source, [0, 0]),
+                   self.pooled.setdefault(r.draft_source, [0, 0])):
+            st[0], st[1] = st[0] + accepted, st[1] + tested
+
+    def release(self, request_id: str) -> None:
+        self.per_request.pop(request_id, None)
+
+
+def acceptance_estimate(r: Request, trials: AcceptTrials | None = None) -> float:
     """Per-position acceptance of the source drafting for r this step: accepted drafts / positions tested
-    (a rejection ends a chain), shrunk towards that source's rate over all requests (`pooled`: SpecStats.
-    source_trials; Beta(1, 1) without it). NOTE: a new request is judged by what its source achieved so far,
-    not by a blind 0.5: prompt lookups are accepted ~0.8 of the time here, and a 0.5 prior cut the first
-    windows of every request. Per source, so HYBRID's lookups are not judged by its learned drafter's record."""
-    accepted, tested = r.source_trials.get(r.draft_source, (0, 0))
-    pa, pt = pooled.get(r.draft_source, (0, 0)) if pooled else (0, 0)
+    (`trials`; Beta(1, 1) without them), shrunk towards that source's rate over all requests. NOTE: a new
+    request is judged by what its source achieved so far, not by a blind 0.5: prompt lookups are accepted
+    ~0.8 of the time here, and a 0.5 prior cut the first windows of every request. Per source, so HYBRID's
+    lookups are not judged by its learned drafter's record."""
+    own = trials.per_request.get(r.request_id, {}) if trials else {}
+    accepted, tested = own.get(r.draft_source, (0, 0))
+    pa, pt = trials.pooled.get(r.draft_source, (0, 0)) if trials else (0, 0)
     prior = (pa + 1) / (pt + 2)
     return (accepted + POOLED_WEIGHT * prior) / (tested + POOLED_WEIGHT)
 
@@ -198,15 +218,15 @@ def step_time(cost: CostModel, draft_step: CostModel | None, n_tokens: int, acti
 
 def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_step: CostModel | None = None,
                  per_request: float | list[float] = 0.0, gains: list[list[float]] | None = None,
-                 pooled: dict[str, list[int]] | None = None) -> tuple[list[int], float]:
+                 trials: AcceptTrials | None = None) -> tuple[list[int], float]:
     """Greedy maximisation of expected tokens per second (module docstring; exact for one request). With `draft_step`
     (a model drafter's forward time over m tokens), a step also pays draft_step(#drafting) for each
     draft position up to the longest window, since model drafters draft position by position;
     `per_request` (DraftCost: one value, or one per request) is charged for every drafting request.
     `gains[b][j]`: P(positions 1..j+1 accepted) (from `accept_curves`); default α_b^{j+1}, α_b from
-    acceptance_estimate with the engine-wide `pooled` counts.
+    acceptance_estimate from `trials`.
     Returns the windows and the curves' predicted step time for them (without `per_request`)."""
-    alphas = [min(acceptance_estimate(r, pooled), 0.999) for r in reqs]
+    alphas = [min(acceptance_estimate(r, trials), 0.999) for r in reqs]
     over = per_request if isinstance(per_request, list) else [per_request] * len(reqs)
 
     def gain(b: int, j: int) -> float:

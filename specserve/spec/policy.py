@@ -15,7 +15,8 @@ Block drafters (DFlash, DSpark) draft their whole block in one forward whatever 
 EAGLE-2 trees cost their depth whatever the node count, so for them `cost` plans only who drafts
 and cuts after drafting, with the marginal gains taken from the cumulative draft confidence of each
 position (tree: of each node's path) instead of α_b^{k+1}.
-A new policy: a subclass here with `@register_policy`, and its name in config.WINDOW_POLICIES.
+A new policy: a subclass here with `@register_policy` (its `name` and `help` are --speculative-window's
+choice and help: the registry is the one list).
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 from .. import kernels
 from ..config import EngineConfig
-from ..core import Proposal, Request, SpecStats
+from ..core import Proposal, Request
 from ..models import fused
-from .cost import CostModel, DraftCost, acceptance_estimate, cost_windows, draft_time
+from .cost import AcceptTrials, CostModel, DraftCost, acceptance_estimate, cost_windows, draft_time
 from .gate import DraftGate
 
 if TYPE_CHECKING:
@@ -53,15 +54,16 @@ class StepStats:
 
 class WindowPolicy(ABC):
     name: ClassVar[str]
+    help: ClassVar[str]  # --speculative-window's help for it
     floor: float = 0.0
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.pooled: dict[str, list[int]] = {}
+        #: each running request's acceptance per draft source, and every request's (the prior of each estimate)
+        self.trials = AcceptTrials()
 
-    def bind(self, runner: "ModelRunner", drafter: "Drafter", stats: SpecStats) -> None:
+    def bind(self, runner: "ModelRunner", drafter: "Drafter") -> None:
         """Called once the target runner and the drafter exist (measure what the policy needs)."""
-        self.pooled = stats.source_trials  # every request's acceptance per source: the prior of each estimate
 
     def idle(self, batch: int) -> bool:
         """True when no request of a `batch`-request step will draft: the engine then skips the drafter's
@@ -77,6 +79,10 @@ class WindowPolicy(ABC):
     def observe(self, stats: StepStats) -> None:
         """Learn from the step just run."""
 
+    def release(self, req: Request) -> None:
+        """Forget a finished request's state."""
+        self.trials.release(req.request_id)
+
 
 _POLICIES: dict[str, type[WindowPolicy]] = {}
 
@@ -90,21 +96,31 @@ def make_policy(name: str, config: EngineConfig) -> WindowPolicy:
     return _POLICIES[name](config)
 
 
+def policy_names() -> tuple[str, ...]:
+    return tuple(_POLICIES)
+
+
+def policies_help() -> str:
+    return "; ".join(f"{n} = {c.help}" for n, c in _POLICIES.items())
+
+
 @register_policy
 class FixedPolicy(WindowPolicy):
     name = "fixed"
+    help = "K for every request"
 
 
 @register_policy
 class ConfidencePolicy(WindowPolicy):
     name = "confidence"
+    help = "the prefix whose cumulative draft confidence stays >= --speculative-confidence-threshold"
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.threshold = self.floor = config.value("speculative_confidence_threshold")
 
     def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
-        return confidence_windows(accept_curves(reqs, proposal, windows, self.pooled), self.threshold)
+        return confidence_windows(accept_curves(reqs, proposal, windows, self.trials), self.threshold)
 
 
 @register_policy
@@ -113,6 +129,8 @@ class CostPolicy(WindowPolicy):
     the measured per-request draft cost and the empirical DraftGate."""
 
     name = "cost"
+    help = ("per-request windows maximising expected tokens per second of a measured verify-cost curve "
+            "(0 = plain)")
     #: drafters stop a chain once it is < 20% likely to be accepted this far. NOTE: measured, not derived: the
     #: window maths verifies positions down to ~10% at batch 1, but the table's calibration (held-out chat) is
     #: ~20% optimistic on other text, and AUTO ran 1.198x plain at 0.02, 1.220-1.222x at 0.2-0.3 (batch 8: same);
@@ -148,8 +166,8 @@ class CostPolicy(WindowPolicy):
         kvd = f"-kv{runner.kv.dtype}" if runner.kv.dtype != m.dtype else ""  # a bf16 pool: faster at long contexts
         return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}{kvd}{tp}{kern}")
 
-    def bind(self, runner: "ModelRunner", drafter: "Drafter", stats: SpecStats) -> None:
-        super().bind(runner, drafter, stats)
+    def bind(self, runner: "ModelRunner", drafter: "Drafter") -> None:
+        super().bind(runner, drafter)
         self.cost_model = CostModel.cached(runner, self._key(runner))
         draft_runner = getattr(drafter, "runner", None)  # model drafters draft position by position
         if draft_runner is not None:
@@ -169,7 +187,7 @@ class CostPolicy(WindowPolicy):
         self.forced = [gate[s] == "explore" for s in sources]  # at least one draft: measure this source
         open_limits = [w if gate[s] != "closed" else 0 for w, s in zip(limits, sources)]
         plan, _ = cost_windows(reqs, open_limits, self.cost_model, self.draft_cost_model, self.draft_cost.cost(reqs),
-                               pooled=self.pooled)
+                               trials=self.trials)
         plan = [max(k, min(w, 1)) if f else k for w, k, f in zip(limits, plan, self.forced)]
         if self.whole:  # the cost model picks who drafts; the window is cut after drafting
             plan = [w if k else 0 for w, k in zip(limits, plan)]
@@ -185,7 +203,7 @@ class CostPolicy(WindowPolicy):
     def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
         if not self.whole:
             return windows
-        curves = accept_curves(reqs, proposal, windows, self.pooled)
+        curves = accept_curves(reqs, proposal, windows, self.trials)
         # NOTE: the drafts exist: drafting is paid for, only verifying them costs from here. An explored source
         # is not forced to verify a draft either: it drafted (plan forced that), and which drafts to verify is
         # the cost model's choice, as when it is open. Forcing the first one verified its least likely drafts
@@ -201,7 +219,7 @@ class CostPolicy(WindowPolicy):
 
 
 def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int],
-                  pooled: dict[str, list[int]] | None = None) -> list[list[float]]:
+                  trials: AcceptTrials | None = None) -> list[list[float]]:
     """Per request, P(draft positions 1..i all accepted) for i = 1..min(drafted, window): the
     cumulative product of the drafter's per-token confidence (a NaN entry: the request's acceptance
     estimate), or α^i from the request's acceptance so far. For a tree entry i is P(node i accepted) = the
@@ -217,7 +235,7 @@ def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int],
             # the same double products as a cumprod in float64
             xs = c[:n].tolist()
             if any(map(math.isnan, xs)):  # NaN: that token's source has no score of its own
-                fill = min(acceptance_estimate(r, pooled), 0.999)
+                fill = min(acceptance_estimate(r, trials), 0.999)
                 xs = [fill if math.isnan(x) else x for x in xs]
             v: list[float] = []
             for i, x in enumerate(xs):
@@ -225,7 +243,7 @@ def accept_curves(reqs: list[Request], proposal: Proposal, windows: list[int],
                 v.append(min(max(x, 0.0), 1.0) * prev)
             out.append(v)
         else:
-            a = min(acceptance_estimate(r, pooled), 0.999)
+            a = min(acceptance_estimate(r, trials), 0.999)
             out.append([a ** (i + 1) for i in range(n)])
     return out
 

@@ -7,9 +7,12 @@ Inputs, for a chain of k drafts x_1..x_k verified by one target forward:
   gen    the request's own torch.Generator (per-request seeds).
 Each returns (n, y): n accepted drafts, then y, the correction (n < k) or bonus (n == k) token.
 The emitted tokens are x_1..x_n, y; acceptance length = n + 1.
+`RULES` is the one list of them (--speculative-accept's choices and help, config validation, the
+accept stage's dispatch); a new rule is a function here and its `register_rule` at the bottom.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -115,3 +118,58 @@ def walk_tree(dist: Callable[[int, list[int]], torch.Tensor], tokens: list[int],
         path.append(c)
         hist.append(y)
         v = c
+
+
+#: (processed target rows, q or None, drafts, generator) → (accepted drafts, correction/bonus token)
+RuleFn = Callable[[torch.Tensor, "torch.Tensor | None", list[int], "torch.Generator | None"], tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class AcceptRule:
+    name: str
+    run: RuleFn
+    help: str
+    on_logits: bool = False  # judges processed logits (argmax), not probabilities
+    requires_q: bool = False  # needs sampled drafts' q: refused where drafts are deterministic
+    chains_only: bool = False  # trees walk with their own lossless rule
+    selectable: bool = True  # --speculative-accept may name it
+
+
+#: NOTE: each `run` names its function at call time, so substituting a rule function of this module (a test's
+#: deliberately biased rule) changes what the accept stage runs
+RULES: dict[str, AcceptRule] = {}
+#: what --speculative-accept auto runs for drafts sampled from q (deterministic drafts: onehot; T = 0: greedy)
+AUTO_RULE = "sample"
+
+
+def register_rule(rule: AcceptRule) -> None:
+    RULES[rule.name] = rule
+
+
+def selectable_rules() -> tuple[str, ...]:
+    """--speculative-accept's choices: auto, then every rule a flag may name."""
+    return ("auto", *(n for n, r in RULES.items() if r.selectable))
+
+
+def check_rule(name: str) -> None:
+    """Refuse a --speculative-accept value, saying why: unknown, or a rule no flag selects."""
+    rule = RULES.get(name)
+    if rule is not None and not rule.selectable:
+        raise ValueError(f"--speculative-accept {name}: {rule.help}; choose one of {', '.join(selectable_rules())}")
+    if rule is None and name != "auto":
+        raise ValueError(f"--speculative-accept: {name!r} is not one of {', '.join(selectable_rules())}")
+
+
+def rules_help() -> str:
+    return "; ".join(f"{n} = {r.help}" for n, r in RULES.items() if r.selectable)
+
+
+register_rule(AcceptRule("greedy", lambda x, q, d, g: accept_greedy(x, d), on_logits=True, selectable=False,
+                         help="runs for every temperature-0 request whatever the flag says; at temperature > 0 it "
+                              "would emit the target's argmax instead of sampling it (not lossless)"))
+register_rule(AcceptRule("sample", lambda p, q, d, g: accept_sample(p, q, d, g),
+                         help="min(1, p/q) per draft, residual on rejection (deterministic drafts: onehot)"))
+register_rule(AcceptRule("onehot", lambda p, q, d, g: accept_onehot(p, d, g),
+                         help="sample the target and match the draft (any drafts)"))
+register_rule(AcceptRule("block", lambda p, q, d, g: accept_block(p, q, d, g), requires_q=True, chains_only=True,
+                         help="block verification: the longest prefix by clipped joint ratio (sampled chains)"))

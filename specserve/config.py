@@ -15,10 +15,12 @@ WINDOW_POLICIES = ("fixed", "confidence", "cost")
 VERIFY_PACKINGS = ("compact", "padded")
 
 
-def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, unset: Any = None) -> Any:  # noqa: A002
+def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, unset: Any = None,  # noqa: A002
+       aliases: tuple[str, ...] = ()) -> Any:
     """A field; `unset` is the value a None default stands for (None defaults let validation tell a
-    flag that was given from one that was not: flags that do not apply are refused only when given)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "unset": unset})
+    flag that was given from one that was not: flags that do not apply are refused only when given);
+    `aliases`: other flag spellings (another server's name for the same option)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "unset": unset, "aliases": aliases})
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class EngineConfig:
                              "w4a8) halves the bytes attention reads per context token (K/V rounded once when written)",
                              ("auto", "float32", "bfloat16"))
     page_size: int = _f(16, "tokens per KV page")
+    disable_prefix_cache: bool = _f(False, "do not reuse the KV pages of prompt prefixes across requests (the prefix "
+                                    "cache is on by default; hybrid recurrent targets never use it)",
+                                    aliases=("--disable-radix-cache",))
     max_model_len: int | None = _f(None, "max prompt + output tokens (default: the model's context)")
     max_prefill_tokens: int = _f(2048, "prefill tokens per step (longer prompts are chunked)")
     max_running_requests: int = _f(64, "max requests decoding at once")
@@ -209,8 +214,10 @@ def add_engine_args(parser: argparse.ArgumentParser, owner: type | None = None) 
         if f.name == "model":
             continue
         t = _base_type(f, owner)
-        parser.add_argument(f"--{flag(f.name)}", dest=f.name, type=_parse_bool if t is bool else t, default=None,
-                            choices=f.metadata.get("choices"),
+        # a boolean flag alone means true (`--disable-prefix-cache`); `--flag false` still parses
+        boolean = dict(nargs="?", const=True) if t is bool else {}
+        parser.add_argument(f"--{flag(f.name)}", *f.metadata.get("aliases", ()), dest=f.name,
+                            type=_parse_bool if t is bool else t, default=None, choices=f.metadata.get("choices"), **boolean,
                             help=f"{f.metadata['help']} [env {env_name(f.name)}; default "
                                  f"{f.default if f.default is not None else f.metadata.get('unset')}]")
 

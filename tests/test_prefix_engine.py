@@ -203,3 +203,24 @@ def test_hybrid_targets_and_the_flags_turn_it_off() -> None:
         assert config_from_args(args, "m").disable_prefix_cache is True
     args = build_parser().parse_args(["serve", "m", "--disable-prefix-cache", "false"])
     assert config_from_args(args, "m").disable_prefix_cache is False
+
+
+@pytest.mark.slow
+def test_smollm2_default_engine_multi_turn() -> None:
+    """The default engine (SmolLM2 GGUF, w4a8, AUTO drafting): two chats over a ~1k-token shared system prompt
+    and a second turn give their cold answers and logprobs bit for bit; the hits are what the pages allow."""
+    sp = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    on, off = LLM("smollm2-135m"), LLM("smollm2-135m", disable_prefix_cache=True)
+    system = "You are a careful assistant. " + " ".join(f"Rule {i}: answer in plain words about topic {i}." for i in range(80))
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+             for q in ("What is a prime number?", "Name three rivers in Europe.")]
+    hot, cold = on.chat(chats[:1], sp) + on.chat(chats[1:], sp), off.chat(chats[:1], sp) + off.chat(chats[1:], sp)
+    turn2 = chats[0] + [{"role": "assistant", "content": hot[0].text}, {"role": "user", "content": "And 7?"}]
+    hot.append(on.chat([turn2], sp)[0])
+    cold.append(off.chat([turn2], sp)[0])
+    assert_same(hot, cold)
+    n_sys = len(on.engine.tokenizer.encode(on.engine.tokenizer.apply_chat_template(chats[0][:1], False),
+                                           add_special_tokens=False))
+    assert n_sys > 900 and hot[1].meta_info["cached_tokens"] >= n_sys // 16 * 16 - 16
+    assert hot[2].meta_info["cached_tokens"] > hot[0].meta_info["prompt_tokens"] - 16
+    assert_clean(on.engine)

@@ -14,6 +14,8 @@ import random
 import time
 from typing import Any
 
+import torch
+
 from ..config import add_engine_args, config_from_args
 from ..core import SamplingParams
 from .common import record
@@ -62,7 +64,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
     ttft: dict[str, list[list[float]]] = {"on": [[] for _ in range(a.turns)], "off": [[] for _ in range(a.turns)]}
     wall = {"on": 0.0, "off": 0.0}
-    prompt_tokens, cached = [], []
+    prompt_tokens: list[int] = []
+    cached: list[list[int]] = [[] for _ in range(a.turns)]
     _turn(on, [{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=2))  # warm both
     _turn(off, [{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=2))
     on.engine.kv.prefix_cache.clear()
@@ -78,7 +81,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 ttft[name][t].append(meta["ttft"])
                 if name == "on":
                     prompt_tokens.append(meta["prompt_tokens"])
-                    cached.append(meta["cached_tokens"])
+                    cached[t].append(meta["cached_tokens"])
             if answers["on"] != answers["off"]:
                 raise RuntimeError(f"conversation {c} turn {t}: cached and cold answers differ")
             msgs.append({"role": "assistant", "content": answers["on"]})
@@ -95,7 +98,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     r = {
         "system_tokens": len(tok.encode(system, add_special_tokens=False)),
-        "prompt_tokens_mean": mean(prompt_tokens), "cached_tokens_mean": mean(cached),
+        "prompt_tokens_mean": mean(prompt_tokens), "cached_tokens_per_turn": [mean(x) for x in cached],
         "ttft_on_s": [mean(x) for x in ttft["on"]], "ttft_off_s": [mean(x) for x in ttft["off"]],
         "turn2_vs_cold_turn1": mean(ttft["on"][1]) / mean(ttft["off"][0]) if a.turns > 1 else None,
         "e2e_on_s": wall["on"], "e2e_off_s": wall["off"], "e2e_speedup": wall["off"] / wall["on"],
@@ -104,13 +107,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "unique_on_vs_off": unique["on"] / unique["off"] if unique["off"] else None,
         "prefix_stats": vars(on.engine.prefix.stats),
     }
-    print(f"\nsystem prompt {r['system_tokens']} tokens; mean prompt {r['prompt_tokens_mean']:.0f}, cached "
-          f"{r['cached_tokens_mean']:.0f}\nTTFT per turn, cache on : " + " ".join(f"{x:.3f}" for x in r["ttft_on_s"]) +
+    print(f"\nsystem prompt {r['system_tokens']} tokens; mean prompt {r['prompt_tokens_mean']:.0f}, cached per turn "
+          + " ".join(f"{x:.0f}" for x in r["cached_tokens_per_turn"]) + "\nTTFT per turn, cache on : " + " ".join(f"{x:.3f}" for x in r["ttft_on_s"]) +
           " s\nTTFT per turn, cache off: " + " ".join(f"{x:.3f}" for x in r["ttft_off_s"]) +
           f" s\nturn-2 TTFT / cold turn-1 TTFT: {r['turn2_vs_cold_turn1']:.3f}\n"
           f"all turns: {wall['on']:.1f} s on, {wall['off']:.1f} s off: {r['e2e_speedup']:.2f}x\n"
           f"cold prefill {r['cold_prefill_tok_s']:.0f} tok/s\n"
           f"prompts sharing nothing: {unique['on']:.2f} s on, {unique['off']:.2f} s off ({r['unique_on_vs_off']:.3f}x)")
+    print(f"engine: {on.config.speculative_algorithm or 'plain'} drafting, {on.engine.kv.allocator.num_pages} KV pages, "
+          f"{torch.get_num_threads()} threads")
     print(f"wrote {record('prefix', a, r)}")
     return r
 

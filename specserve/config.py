@@ -15,11 +15,12 @@ Names = tuple[str, ...]
 
 
 def _f(default: Any, help: str | Callable[[], str], choices: Names | Callable[[], Names] | None = None,  # noqa: A002
-       unset: Any = None) -> Any:
+       unset: Any = None, aliases: tuple[str, ...] = ()) -> Any:
     """A field; `unset` is the value a None default stands for (None defaults let validation tell a
     flag that was given from one that was not: flags that do not apply are refused only when given).
-    help/choices may be functions: those read a registry (`field_help`, `field_choices`)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "unset": unset})
+    help/choices may be functions: those read a registry (`field_help`, `field_choices`);
+    `aliases`: other flag spellings (another server's name for the same option)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "unset": unset, "aliases": aliases})
 
 
 def field_help(f: dataclasses.Field) -> str:
@@ -84,6 +85,9 @@ class EngineConfig:
                              "w4a8) halves the bytes attention reads per context token (K/V rounded once when written)",
                              ("auto", "float32", "bfloat16"))
     page_size: int = _f(16, "tokens per KV page")
+    disable_prefix_cache: bool = _f(False, "do not reuse the KV pages of prompt prefixes across requests (the prefix "
+                                    "cache is on by default; hybrid recurrent targets never use it)",
+                                    aliases=("--disable-radix-cache",))
     max_model_len: int | None = _f(None, "max prompt + output tokens (default: the model's context)")
     max_prefill_tokens: int = _f(2048, "prefill tokens per step (longer prompts are chunked)")
     max_running_requests: int = _f(64, "max requests decoding at once")
@@ -258,8 +262,10 @@ def add_engine_args(parser: argparse.ArgumentParser, owner: type | None = None) 
         if f.name == "model":
             continue
         t = _base_type(f, owner)
-        parser.add_argument(f"--{flag(f.name)}", dest=f.name, type=_parse_bool if t is bool else t, default=None,
-                            choices=field_choices(f),
+        # a boolean flag alone means true (`--disable-prefix-cache`); `--flag false` still parses
+        boolean = dict(nargs="?", const=True) if t is bool else {}
+        parser.add_argument(f"--{flag(f.name)}", *f.metadata.get("aliases", ()), dest=f.name,
+                            type=_parse_bool if t is bool else t, default=None, choices=field_choices(f), **boolean,
                             help=f"{field_help(f)} [env {env_name(f.name)}; default "
                                  f"{f.default if f.default is not None else f.metadata.get('unset')}]")
 

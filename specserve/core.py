@@ -126,6 +126,11 @@ class Request:
     page_table: list[int] = field(default_factory=list)
     committed_len: int = 0
     state_slot: int | None = None  # hybrid targets: its StatePool slot (state after committed_len tokens)
+    # prefix cache: the hash chain of its full pages (grown as pages fill), how many leading page-table
+    # entries are cached pages, and the prompt tokens its first admission found cached (None = not admitted)
+    page_keys: list[bytes] = field(default_factory=list)
+    num_cached_pages: int = 0
+    cached_tokens: int | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None

@@ -5,9 +5,20 @@ raises (double free would let two requests share a page and corrupt each other's
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 
 class OutOfPages(Exception):
     """Not enough free pages; the scheduler waits or preempts."""
+
+
+class Reclaimer(Protocol):
+    """Holds allocated pages nobody uses and gives them back on demand (the prefix cache's LRU)."""
+
+    @property
+    def num_evictable(self) -> int: ...
+
+    def evict(self, n: int) -> int: ...
 
 
 class PageAllocator:
@@ -17,16 +28,26 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._used: set[int] = set()
+        # NOTE: its pages count as free (an alloc takes them back); evicted only when the free list is short
+        self.reclaimer: Reclaimer | None = None
 
     @property
     def num_free(self) -> int:
+        """Pages an alloc can hand out: the free list and the reclaimer's idle pages."""
+        return len(self._free) + (self.reclaimer.num_evictable if self.reclaimer else 0)
+
+    @property
+    def num_unowned(self) -> int:
+        """Pages on the free list (nothing, not even the prefix cache, holds them)."""
         return len(self._free)
 
     @property
     def usage(self) -> float:
-        return len(self._used) / self.num_pages
+        return 1.0 - self.num_free / self.num_pages
 
     def alloc(self, n: int) -> list[int]:
+        if n > len(self._free) and self.reclaimer is not None:
+            self.reclaimer.evict(n - len(self._free))
         if n > len(self._free):
             raise OutOfPages(f"need {n} pages, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]

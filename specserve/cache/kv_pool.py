@@ -13,6 +13,7 @@ import torch
 from ..models.config import ModelConfig
 from ..memory import total_memory_bytes
 from .allocator import OutOfPages, PageAllocator
+from .prefix_cache import PrefixCache
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
           "g": 2**30, "gb": 2**30, "gib": 2**30}
@@ -41,6 +42,7 @@ class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype) -> None:
         self.page_size, self.dtype = page_size, dtype
         self.allocator = PageAllocator(num_pages)
+        self.prefix_cache: PrefixCache | None = None  # `enable_prefix_cache` turns it on
         slots = num_pages * page_size
         # NOTE: one K and one V per attention layer, in layer order (recurrent layers keep a StatePool slot).
         # Stored head-major, [kv_heads, slots, head_dim], and used through a [slots, kv_heads, head_dim] view:
@@ -57,6 +59,10 @@ class KVPool:
     def pages_for_budget(cfg: ModelConfig, budget_bytes: int, page_size: int, dtype: torch.dtype) -> int:
         per_page = cfg.kv_bytes_per_token * page_size * torch.finfo(dtype).bits // 8
         return budget_bytes // per_page
+
+    def enable_prefix_cache(self) -> PrefixCache:
+        self.prefix_cache = PrefixCache(self.allocator, self.page_size)
+        return self.prefix_cache
 
     @property
     def num_slots(self) -> int:
@@ -82,8 +88,17 @@ class KVPool:
             i += n
         return out
 
-    def release(self, page_table: list[int]) -> None:
-        self.allocator.free([p for p in page_table if p >= 0])
+    def _drop(self, pages: list[int]) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(pages)  # cached pages lose a reference, private ones are freed
+        else:
+            self.allocator.free(pages)
+
+    def release(self, page_table: list[int], failed: bool = False) -> None:
+        """Return a request's pages; a `failed` request's cached pages nobody else holds are uncached first."""
+        if failed and self.prefix_cache is not None:
+            self.prefix_cache.forget(page_table)
+        self._drop([p for p in page_table if p >= 0])
         page_table.clear()
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -95,7 +110,7 @@ class KVPool:
         """Free the pages holding only positions < `position` (a sliding window never reads them
         again); their entries become −1, so later positions keep their page index."""
         dead = [i for i in range(min(position // self.page_size, len(page_table))) if page_table[i] >= 0]
-        self.allocator.free([page_table[i] for i in dead])
+        self._drop([page_table[i] for i in dead])
         for i in dead:
             page_table[i] = -1
 

@@ -8,6 +8,9 @@ A drafter proposes up to `window[b]` tokens for each decoding request. Lifecycle
 `feats` are the target's hidden states of the drafter's `aux_layers` ([n, len(aux), H] per request:
 the prefill chunk's tokens, or the verify window's rows) — None for drafters that need none.
   release(req)                          at finish / abort / preemption: free draft-side state
+Prefix cache (engine/prefix.py): a request admitted past a cached prefix of whole pages starts its
+prefill chunks at that prefix's end; `cached_prefix` says how many of those pages the drafter can start
+from (the target's hit is cut to it), `attach_prefix` then takes them.
 NOTE: after commit, the drafter must agree with the target about what is committed: anything it
 built for rejected drafts is dropped (truncated), never reused.
 
@@ -65,6 +68,18 @@ class Drafter(ABC):
 
     def release(self, req: Request) -> None:
         """Forget a request's draft-side state."""
+
+    def use_prefix_cache(self) -> None:
+        """The engine caches prefixes: a drafter with a pool of its own may cache its pages too."""
+
+    def cached_prefix(self, req: Request, keys: list[bytes]) -> int:
+        """How many leading pages (hash-chain `keys`, cache/prefix_cache.py) req may skip: the drafter
+        builds its state for them without the target's prefill of them. Default: all (no such state, or
+        state the drafter catches up on by itself)."""
+        return len(keys)
+
+    def attach_prefix(self, req: Request, keys: list[bytes]) -> None:
+        """req starts past the pages of `keys` (≤ what `cached_prefix` allowed)."""
 
 
 @dataclass(frozen=True)

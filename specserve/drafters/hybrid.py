@@ -55,6 +55,15 @@ class HybridDrafter(Drafter):
         self.lookup.release(req)
         self.learned.release(req)
 
+    def use_prefix_cache(self) -> None:
+        self.learned.use_prefix_cache()
+
+    def cached_prefix(self, req: Request, keys: list[bytes]) -> int:
+        return self.learned.cached_prefix(req, keys)
+
+    def attach_prefix(self, req: Request, keys: list[bytes]) -> None:
+        self.learned.attach_prefix(req, keys)
+
 
 @register_drafter("HYBRID", Capabilities(block=True, features=True, samples=True, draft_model=True,
                                          default_window="confidence",

@@ -9,6 +9,11 @@ draft survives a step: rows the drafter writes for its own drafts sit beyond `do
 overwritten by the next step's rows.
 With --speculative-draft-attention-window W a draft round reads only the last W committed positions
 (the catch-up rows: a sliding window of W), and pages behind the window are freed.
+Prefix cache: draft pages whose rows are built from committed positions are cached under the target's page
+keys (drafters/prefix.py); a chain drafter keeps with each page the feature of its last position (the next
+page's first row pairs with it), so a request admitted past k cached pages starts in sync: done = k pages,
+pending = that feature. Without every one of those pages cached the target's hit is cut to what is. With a
+draft attention window nothing is cached (pages behind the window are freed) and the target hits nothing.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from ..runtime.sampling import grammar_allowed, sample, target_logits
 from .base import Drafter
 from .context import DrafterContext
 from .nets import DraftNet
+from .prefix import DraftPrefix
 
 
 @dataclass
@@ -34,6 +40,8 @@ class FeatState:
     # NOTE: rows in `pending`, kept rather than summed: the list grows by one tensor per step while a window
     # policy keeps the drafter from drafting, and every commit asks for it
     num_pending: int = 0
+    cached: int = 0  # leading pages of page_table in the prefix cache
+    carry: dict[int, torch.Tensor] = field(default_factory=dict)  # chain: page → feature of its last position
 
     def __post_init__(self) -> None:
         self.num_pending = sum(len(p) for p in self.pending)
@@ -73,6 +81,37 @@ class LearnedDrafter(Drafter):
         self.vocab = ctx.target_cfg.vocab_size
         self.state: dict[str, FeatState] = {}
         self.path: Path | None = None  # the artifact it was loaded from
+        self.prefix: DraftPrefix | None = None
+
+    def use_prefix_cache(self) -> None:
+        if self.window is None:
+            self.prefix = DraftPrefix(self.kv)
+
+    def cached_prefix(self, req: Request, keys: list[bytes]) -> int:
+        return 0 if self.prefix is None else self.prefix.match(keys)
+
+    def attach_prefix(self, req: Request, keys: list[bytes]) -> None:
+        """NOTE: in sync after: covered = done − feature_offset + pending = len(keys) pages."""
+        st = self.state[req.request_id] = self._new_state()
+        st.page_table, extras = self.prefix.take(keys)
+        st.done, st.cached = len(keys) * self.kv.page_size, len(keys)
+        st.restore(st.done, [extras[-1][None]] if self.feature_offset else [])
+
+    def _add(self, st: FeatState, first: int, feats: torch.Tensor) -> None:
+        """Pending features of positions first.. ; a chain drafter notes each page's last one."""
+        st.add(feats)
+        if self.prefix is not None and self.feature_offset:
+            ps = self.kv.page_size
+            for t in range(first + (-(first + 1)) % ps, first + len(feats), ps):  # t + 1 ≡ 0 (mod ps)
+                st.carry[t // ps] = feats[t - first].clone()
+
+    def _cache(self, req: Request, st: FeatState) -> None:
+        if self.prefix is None:
+            return
+        st.cached = self.prefix.insert(req, st.page_table, st.done, st.cached,
+                                       st.carry.get if self.feature_offset else None)
+        for p in [p for p in st.carry if p < st.cached]:  # kept in the cache entry now
+            del st.carry[p]
 
     def _new_state(self) -> FeatState:
         return FeatState()
@@ -122,7 +161,7 @@ class LearnedDrafter(Drafter):
         for (req, start, _), f in zip(chunks, feats or []):
             st = self._st(req)
             if self._covered(st) == start:
-                st.add(f.to(self.dtype))
+                self._add(st, start, f.to(self.dtype))
 
     def commit(self, reqs: list[Request], num_accepted: list[int], feats: list[torch.Tensor] | None = None) -> None:
         for req, n, f in zip(reqs, num_accepted, feats or []):
@@ -131,12 +170,14 @@ class LearnedDrafter(Drafter):
                 continue
             # verify covered positions committed_len_before .. +n (the last token and n accepted drafts)
             if self._covered(st) == req.committed_len - n - 1:
-                st.add(f[: n + 1].to(self.dtype))
+                self._add(st, req.committed_len - n - 1, f[: n + 1].to(self.dtype))
+            self._cache(req, st)
 
     def release(self, req: Request) -> None:
         st = self.state.pop(req.request_id, None)
         if st is not None:
-            self.kv.release(st.page_table)
+            self._cache(req, st)
+            self.kv.release(st.page_table, req.finish_reason == "error")
 
     def _choose(self, req: Request, logits: torch.Tensor, drafts: list[int],
                 probs: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:

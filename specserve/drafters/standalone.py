@@ -7,6 +7,9 @@ then feeds its own drafts one by one. Commit truncates `done` to what the target
 A hybrid draft model (recurrent layers) cannot truncate its state: it keeps a state slot per request
 plus a snapshot of the state at every position it drafted past `base` in this round, and commit
 copies the snapshot at the new `done` back into the slot (the slot always holds the state at `done`).
+Prefix cache: full draft pages of committed tokens are cached under the target's page keys (drafters/prefix.py);
+a request admitted past a cached prefix takes the draft pages cached for it and catches up on the rest in
+its first propose (a hybrid draft model caches nothing and catches up from position 0).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from ..runtime.sampling import grammar_allowed, sample, target_logits
 from ..models.forward_batch import RowStates, StateBatch
 from .base import Capabilities, Drafter, register_drafter
 from .context import DrafterContext
+from .prefix import DraftPrefix
 
 if TYPE_CHECKING:
     from ..models.llama import LlamaModel
@@ -35,6 +39,7 @@ class _DraftState:
     base: int = 0  # seq_len at the last propose
     slot: int | None = None  # hybrid draft models: state after positions [0, done)
     snaps: dict[int, RowStates] = field(default_factory=dict)  # position → state after it, this round
+    cached: int = 0  # leading pages of page_table in the prefix cache
 
 
 class StandaloneDrafter(Drafter):
@@ -46,6 +51,23 @@ class StandaloneDrafter(Drafter):
         self.greedy_draft = greedy_draft
         self.state: dict[str, _DraftState] = {}
         self.supplies_q = not self.greedy_draft
+        self.prefix: DraftPrefix | None = None
+
+    def use_prefix_cache(self) -> None:
+        if self.runner.states is None:  # NOTE: a recurrent draft state at a page boundary is not kept
+            self.prefix = DraftPrefix(self.kv)
+
+    def attach_prefix(self, req: Request, keys: list[bytes]) -> None:
+        st = self._st(req)
+        if self.prefix is None or st.page_table:
+            return
+        n = self.prefix.match(keys)
+        st.page_table, _ = self.prefix.take(keys[:n])
+        st.done, st.cached = n * self.kv.page_size, n
+
+    def _cache(self, req: Request, st: _DraftState) -> None:
+        if self.prefix is not None:
+            st.cached = self.prefix.insert(req, st.page_table, st.done, st.cached)
 
     def _st(self, req: Request) -> _DraftState:
         st = self.state.setdefault(req.request_id, _DraftState())
@@ -93,8 +115,9 @@ class StandaloneDrafter(Drafter):
             if states is not None:
                 for st, rows in zip(sts, states.split([n for *_, n in todo])):
                     self.runner.states.write(st.slot, rows, 0)
-            for _, st, start, n in todo:
+            for req, st, start, n in todo:
                 st.done = start + n
+                self._cache(req, st)
 
     def _draft_token(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
         """Draft token from one row of draft logits, processed as the target will process its row
@@ -158,11 +181,13 @@ class StandaloneDrafter(Drafter):
                     self.runner.states.write(st.slot, st.snaps[done], 0)
                 st.done, st.base = done, 0
                 st.snaps.clear()
+                self._cache(req, st)
 
     def release(self, req: Request) -> None:
         st = self.state.pop(req.request_id, None)
         if st is not None:
-            self.kv.release(st.page_table)
+            self._cache(req, st)
+            self.kv.release(st.page_table, req.finish_reason == "error")
             if self.runner.states is not None:
                 self.runner.states.free(st.slot)
 

@@ -40,6 +40,7 @@ from ..spec.verify import verify
 from ..runtime.isolate import isolate
 from ..runtime.output import Emitter
 from ..runtime.runner import ModelRunner, split_features
+from .prefix import PrefixCaching
 from .scheduler import Scheduler
 
 log = logging.getLogger("specserve")
@@ -88,8 +89,10 @@ class Engine:
         self.num_draft_tokens = self.settings.num_draft_tokens if self.drafter else 0
         # structured output: forced-token drafts may run past the drafter's window (grammar requests only)
         self.forced_draft_tokens = config.grammar_forced_drafts and max(config.grammar_forced_drafts, self.num_draft_tokens)
+        # NOTE: hybrid targets do not cache prefixes: their recurrent state at a page boundary is not kept
+        self.prefix = None if config.disable_prefix_cache or mcfg.is_hybrid else PrefixCaching(self.kv, self.drafter)
         self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests, self._lookahead,
-                                   self.states)
+                                   self.states, self.prefix)
         self.scheduler.on_release = self.drafter.release if self.drafter else None
         self.eos_ids = set(mcfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         # A request can never hold more positions than the pool has slots: stop it there ("length")
@@ -182,6 +185,8 @@ class Engine:
         starts = [r.committed_len for (r, _), _ in done]
         for (r, n), _ in done:
             r.committed_len += n
+            if self.prefix is not None:
+                self.prefix.insert(r)
         if self.drafter:
             items = [((r, s, n), x) for ((r, n), (_, x)), s in zip(done, starts)]
             isolate(lambda it: self.drafter.prefill([c for c, _ in it], [x for _, x in it] if aux else None)

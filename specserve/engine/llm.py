@@ -19,6 +19,7 @@ def request_meta(r: Request, engine: Engine) -> dict[str, Any]:
         "id": r.request_id,
         "prompt_tokens": len(r.prompt_ids),
         "completion_tokens": len(r.output_ids),
+        "cached_tokens": r.cached_tokens or 0,  # prompt tokens whose KV came from the prefix cache
         "e2e_latency": end - r.arrival,
         "ttft": (r.first_token_time - r.arrival) if r.first_token_time else None,
         "num_preemptions": r.num_preemptions,

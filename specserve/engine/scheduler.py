@@ -4,7 +4,8 @@ Each step: every running request past prefill decodes (its page table grown to h
 verify window); then prefill chunks fill `max_prefill_tokens`, partial prefills first, then new
 requests while fewer than `max_running_requests` run (hybrid targets: and a recurrent-state slot is
 free). Out of pages → the newest request is preempted (its pages and state slot return; it recomputes
-later); a new request waits.
+later); a new request waits. With the prefix cache, a request admitted with no KV starts past its longest
+cached prefix (engine/prefix.py): those tokens cost no prefill budget.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Callable
 from ..cache.kv_pool import KVPool, OutOfPages
 from ..cache.state_pool import StatePool
 from ..core import Request, Status
+from .prefix import PrefixCaching
 
 
 @dataclass
@@ -29,8 +31,9 @@ class Batch:
 
 class Scheduler:
     def __init__(self, kv: KVPool, max_prefill_tokens: int, max_running_requests: int,
-                 lookahead: Callable[[Request], int], states: StatePool | None = None) -> None:
-        self.kv, self.states = kv, states
+                 lookahead: Callable[[Request], int], states: StatePool | None = None,
+                 prefix: PrefixCaching | None = None) -> None:
+        self.kv, self.states, self.prefix = kv, states, prefix
         self.max_prefill_tokens = max_prefill_tokens
         self.max_running = max_running_requests
         self.lookahead = lookahead  # per request: draft tokens a verify window may add beyond the last token
@@ -54,9 +57,13 @@ class Scheduler:
         return None
 
     def release(self, req: Request) -> None:
-        """Return a request's pages and state slot; called at finish, abort and preemption."""
-        self.kv.release(req.page_table)
-        req.committed_len = 0
+        """Return a request's pages and state slot; called at finish, abort and preemption. Its committed
+        full pages stay cached (a failed request's are not kept: its KV may be what failed it)."""
+        failed = req.finish_reason == "error"
+        if self.prefix is not None and not failed:
+            self.prefix.insert(req)
+        self.kv.release(req.page_table, failed)
+        req.committed_len = req.num_cached_pages = 0
         if self.states is not None:
             self.states.free(req.state_slot)
             req.state_slot = None
@@ -117,15 +124,22 @@ class Scheduler:
         return batch
 
     def _try_prefill(self, req: Request, budget: int, batch: Batch) -> int:
-        n = min(req.prefill_target - req.committed_len, budget)
-        if n <= 0:
+        if budget <= 0:
             return 0
         fresh_slot = self.states is not None and req.state_slot is None
         if fresh_slot and not self.states.num_free:
             return 0  # admitted only with a recurrent-state slot
+        hit = self.prefix is not None and not req.page_table and self.prefix.admit(req)
+        n = min(req.prefill_target - req.committed_len, budget)
+        if n <= 0:
+            return 0
         try:
             self.kv.ensure(req.page_table, req.committed_len + n)
         except OutOfPages:
+            if hit:
+                self.prefix.undo(req, self.kv)
+                if self.on_release:
+                    self.on_release(req)  # the drafter's share of the hit
             return 0
         if fresh_slot:
             req.state_slot = self.states.alloc()

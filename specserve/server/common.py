@@ -177,13 +177,22 @@ SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def _cached(prompts: list[list[int]], metas: list[dict[str, Any]]) -> int:
+    """Cached prompt tokens counted once per prompt, as prompt_tokens counts them (sample 0 of each prompt's
+    n, which `expand` lays out prompt by prompt)."""
+    n = len(metas) // len(prompts) if prompts and len(metas) % len(prompts) == 0 else 1
+    return sum(m.get("cached_tokens", 0) for m in metas[::n])
+
+
 def usage(prompts: list[list[int]], metas: list[dict[str, Any]]) -> dict[str, Any]:
-    """OpenAI usage plus a `speculative` extension summed over the sequences (bonus token included
+    """OpenAI usage (with prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served) plus a
+    `speculative` extension summed over the sequences (bonus token included
     in spec_accept_length = 1 + accepted / verify passes)."""
     metas = [m for m in metas if m is not None]
     prompt = sum(len(p) for p in prompts)
     completion = sum(m["completion_tokens"] for m in metas)
-    u: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    u: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                         "prompt_tokens_details": {"cached_tokens": _cached(prompts, metas)}}
     if metas and "spec_verify_ct" in metas[0]:
         ct = sum(m["spec_verify_ct"] for m in metas)
         acc = sum(m["spec_accepted_tokens"] for m in metas)

@@ -6,6 +6,10 @@ Speculative counters (Prometheus appends `_total`):
   mean acceptance length = 1 + rate(accepted_tokens) / rate(num_drafts)   (bonus token included)
   acceptance rate        = rate(accepted_tokens) / rate(draft_tokens)
   per-position rate      = rate(accepted_per_pos{position=i}) / rate(num_drafts)   (unconditional)
+Prefix cache counters (vLLM's token counters, plus requests and evicted pages):
+  specserve:prefix_cache_queries (prompt tokens looked up), …_hits (tokens served from cached pages),
+  …_hit_requests (admissions that reused a page), …_evictions (cached pages dropped for room)
+  hit rate = rate(prefix_cache_hits) / rate(prefix_cache_queries)
 Every method is called from the engine thread only; prometheus-client objects are thread-safe for
 the scrape.
 """
@@ -17,6 +21,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from ..cache.prefix_cache import CacheStats
 from ..core import Request, SpecStats
 
 log = logging.getLogger("specserve.server")
@@ -52,6 +57,11 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later)")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache")
+        self.prefix_hit_requests = counter("prefix_cache_hit_requests", "Admissions that reused cached pages")
+        self.prefix_evictions = counter("prefix_cache_evictions", "Cached KV pages evicted to make room")
+        self._prefix_seen = CacheStats()
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of target KV pages in use (0-1)")
@@ -96,6 +106,15 @@ class Metrics:
         self._l(self.running).set(len(engine.scheduler.running))
         self._l(self.waiting).set(len(engine.scheduler.waiting))
         self._l(self.kv_usage).set(engine.kv.allocator.usage)
+        if engine.prefix is not None:
+            c, old = engine.prefix.stats, self._prefix_seen
+            for m, new, was in ((self.prefix_queries, c.query_tokens, old.query_tokens),
+                                (self.prefix_hits, c.hit_tokens, old.hit_tokens),
+                                (self.prefix_hit_requests, c.hits, old.hits),
+                                (self.prefix_evictions, c.evictions, old.evictions)):
+                if new != was:
+                    self._l(m).inc(new - was)
+            self._prefix_seen = CacheStats(**vars(c))
         s, seen = engine.stats, self._seen
         if s.num_drafts == seen.num_drafts:
             return

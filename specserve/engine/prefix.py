@@ -1,0 +1,67 @@
+"""Prefix caching in the engine: where requests meet the target pool's `PrefixCache` (cache/prefix_cache.py).
+
+  admit(req)    a request scheduled with no KV (new, or preempted and back) starts past its longest
+                cached prefix of whole pages: the target's hit, cut to what the drafter can start from
+                too (`Drafter.cached_prefix`), and never the whole prompt (the last prompt token is
+                always computed: its logits give the first output token)
+  insert(req)   its committed full pages enter the cache: after each prefill chunk (so requests that
+                share a prompt with a running one hit it) and when it lets go of its pages (so a
+                conversation's next turn hits its answer, and a preempted request its own work)
+Hybrid (recurrent-state) targets do not cache: their state at a page boundary is not kept.
+"""
+from __future__ import annotations
+
+from ..cache.kv_pool import KVPool
+from ..cache.prefix_cache import CacheStats, PrefixCache, extend_page_keys
+from ..core import Request
+from ..drafters.base import Drafter
+
+
+class PrefixCaching:
+    def __init__(self, kv: KVPool, drafter: Drafter | None) -> None:
+        self.cache: PrefixCache = kv.prefix_cache or kv.enable_prefix_cache()
+        self.page_size, self.drafter = kv.page_size, drafter
+        if drafter is not None:
+            drafter.use_prefix_cache()
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.cache.stats
+
+    def admit(self, req: Request) -> int:
+        """Take the cached pages of req's longest cached prefix into its page table (committed); returns
+        how many tokens that skips. NOTE: req holds no KV yet (page table empty, committed_len 0)."""
+        ps, s = self.page_size, self.cache.stats
+        most = (req.prefill_target - 1) // ps
+        keys = extend_page_keys(req.all_ids, req.page_keys, ps, most)[:most]
+        n = self.cache.match(keys)
+        if n and self.drafter is not None:
+            n = min(n, self.drafter.cached_prefix(req, keys[:n]))
+        if n:
+            req.page_table.extend(self.cache.acquire(keys[:n]))
+            req.committed_len = req.num_cached_pages = n
+            req.committed_len *= ps
+            if self.drafter is not None:
+                self.drafter.attach_prefix(req, keys[:n])
+        s.queries += 1
+        s.query_tokens += req.prefill_target
+        s.hits += n > 0
+        s.hit_tokens += n * ps
+        if not req.output_ids:  # the first admission (a preempted request's hits are its own work)
+            req.cached_tokens = n * ps
+        return n * ps
+
+    def undo(self, req: Request, kv: KVPool) -> None:
+        """Give back what `admit` took (the request goes on waiting: it found no pages for its chunk)."""
+        kv.release(req.page_table)
+        req.committed_len = req.num_cached_pages = 0
+
+    def insert(self, req: Request) -> None:
+        """Cache req's full pages of committed tokens not cached yet. NOTE: positions < committed_len hold
+        final KV; all_ids may end before committed_len (a stop cut an accepted run), so count up to it."""
+        n = min(req.committed_len, req.seq_len) // self.page_size
+        have = req.num_cached_pages
+        if n > have:
+            keys = extend_page_keys(req.all_ids, req.page_keys, self.page_size, n)
+            self.cache.insert(keys[have:n], req.page_table[have:n])
+            req.num_cached_pages = n

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve import kernels
-from specserve.engine import sampling
+from specserve.runtime import sampling
 from specserve.models import fused
 
 

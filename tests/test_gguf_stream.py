@@ -135,3 +135,20 @@ def test_gguf_file_reads_what_gguf_reader_reads(tmp_path: Path, qtype: str | Non
             assert (a.name, a.tensor_type, a.n_bytes, a.data_offset) == (b.name, b.tensor_type, b.n_bytes, b.data_offset)
             assert np.array_equal(a.shape, b.shape) and a.data.dtype == b.data.dtype
             assert np.array_equal(a.data, b.data), a.name
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_streamed_reduced_head_is_the_picked_rows(tmp_path: Path, qtype: str) -> None:
+    """A draft model's reduced head, packed from the file's bytes, holds exactly the picked rows' blocks."""
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, "llama", _tiny_tensors(260, bias=False), qtype=qtype)
+    ids = torch.arange(0, 260, 3)
+    model, _ = build_model(str(path), torch.float32, "w4a8", head_rows=ids)
+    full, _ = build_model(str(path), torch.float32, "w4a8")
+    h = torch.randn(2, model.cfg.hidden_size)
+    got, want = model.compute_logits(h), full.compute_logits(h)
+    assert torch.equal(model.head_ids, ids) and model.lm_head.shape == (len(ids), model.cfg.hidden_size)
+    assert torch.equal(got[:, ids], want[:, ids])  # row-independent GEMM: the same bits per kept row
+    rest = torch.ones(260, dtype=torch.bool)
+    rest[ids] = False
+    assert torch.isinf(got[:, rest]).all()

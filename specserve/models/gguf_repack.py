@@ -48,6 +48,13 @@ class RawBlocks:
     def fmt(self) -> int:
         return KQ | self.bits if self.kquant else self.bits
 
+    def rows(self, f) -> "RawBlocks":  # noqa: ANN001
+        """Rows picked or reordered by `f` (on dim 0), as BlockCodes.rows: the picked rows' bytes are copied
+        out of the map (a reduced head: a fraction of it), so the op sees a tensor of just those rows."""
+        src = f(self.order if self.order is not None else torch.arange(self.shape[0]))
+        return RawBlocks(np.ascontiguousarray(self.data[src.numpy()]), self.qtype, (len(src), self.shape[1]),
+                         None, self.name)
+
     def codes(self) -> BlockCodes:
         """The reference form: gguf_blocks, rows in `order`."""
         c = gguf_blocks(self.data, self.qtype, self.shape, self.name)

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class GGUFTensors(Mapping):
     """HF name → the file's tensor, read on access: `[name]` dequantizes (fp32, q/k rows un-permuted for the
-    llama family), `codes(name)` gives the exact blocks or None. Nothing is cached."""
+    llama family), `codes(name)` gives the raw blocks (RawBlocks) or None. Nothing is cached."""
 
     def __init__(self, reader: Any, num_heads: int, num_kv_heads: int, permuted: bool) -> None:
         self.by_name = {n: t for t in reader.tensors if (n := hf_name(t.name)) is not None}

@@ -98,7 +98,7 @@ def shipped_drafter(target: ModelConfig, algorithm: str) -> Path | None:
     if not SHIPPED.is_dir():
         return None
     for d in sorted(SHIPPED.iterdir()):
-        if (d / "config.json").is_file():
+        if (d / "model.safetensors").is_file():  # drafter artifacts only (not tables or draft vocabularies)
             cfg = read_config(d)
             if cfg.algorithm == algorithm and _norm(cfg.target) == _norm(target.name):
                 return d

@@ -54,7 +54,7 @@ class Engine:
         if model is None:
             config = replace(config, quantization=default_quantization(config.model, config.dtype, config.quantization))
             model, tokenizer = build_model(config.model, resolve_dtype(config.dtype, config.quantization),
-                                           config.quantization)
+                                           config.quantization, parse_memory(config.kv_cache_memory))
         elif config.quantization == "none":
             config = replace(config, quantization=None)
         self.model, self.tokenizer, self.dtype = model, tokenizer, model.dtype

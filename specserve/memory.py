@@ -1,9 +1,14 @@
-"""What the OS says about memory: total RAM, what is available now, this process's peak RSS."""
+"""What the OS says about memory: total RAM, what is available now, this process's peak RSS; and zeroed
+buffers the OS backs only as they are written."""
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import resource
 from pathlib import Path
+
+import torch
 
 
 def total_memory_bytes() -> int:
@@ -24,3 +29,13 @@ def available_memory_bytes() -> int | None:
 def peak_rss_bytes() -> int:
     """This process's high-water resident set (ru_maxrss is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor on an anonymous mapping: the OS hands out zero pages and backs a page with memory only
+    when it is first written, so a KV pool costs RSS for the slots requests have used, not its whole budget
+    (`torch.zeros` writes every byte up front). Page-aligned. NOTE: the tensor holds the mapping alive."""
+    n = math.prod(shape) * dtype.itemsize
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)

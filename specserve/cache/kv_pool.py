@@ -11,7 +11,7 @@ import re
 import torch
 
 from ..models.config import ModelConfig
-from ..memory import total_memory_bytes
+from ..memory import lazy_zeros, total_memory_bytes
 from .allocator import OutOfPages, PageAllocator
 from .prefix_cache import PrefixCache
 
@@ -48,9 +48,10 @@ class KVPool:
         # Stored head-major, [kv_heads, slots, head_dim], and used through a [slots, kv_heads, head_dim] view:
         # attention reads one kv head's slots at a time, and slot-major rows interleaved the heads, so a
         # long context streamed 1/kv_heads of every cache line it fetched (SmolLM2, 3 kv heads: 8.8 GB/s of
-        # useful bytes against 30 GB/s streamed; a decode step at 2k context cost 4x one at 64).
+        # useful bytes against 30 GB/s streamed; a decode step at 2k context cost 4x one at 64). Lazily
+        # zeroed: RSS grows with the slots written, not with --kv-cache-memory.
         def pool() -> torch.Tensor:
-            return torch.zeros((cfg.num_kv_heads, slots, cfg.head_dim), dtype=dtype).transpose(0, 1)
+            return lazy_zeros((cfg.num_kv_heads, slots, cfg.head_dim), dtype).transpose(0, 1)
 
         self.k = [pool() for _ in cfg.attention_layers]
         self.v = [pool() for _ in cfg.attention_layers]

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from ..config import add_engine_args
+from ..config import EngineConfig, add_engine_args, parse_field
 from .machine import machine_info
 from .workloads import WORKLOADS, Messages, from_jsonl, load
 
@@ -49,3 +50,24 @@ def record(cmd: str, a: argparse.Namespace, results: Any, extra: dict[str, Any] 
     }
     out.write_text(json.dumps(doc, indent=1, default=str))
     return out
+
+
+def config_args(a: argparse.Namespace, spec: str, flag: str) -> tuple[argparse.Namespace, str, str]:
+    """One configuration named on the command line: ALGO[+WINDOW][:flag=value...] (e.g. NGRAM+cost,
+    EAGLE3:speculative-eagle-topk=4; ALGO `plain` = no speculation). Returns the bench's arguments with that
+    algorithm, window and flags set, the algorithm and the window."""
+    head, *overrides = spec.split(":")
+    algo, _, window = head.partition("+")
+    a2 = argparse.Namespace(**vars(a))
+    a2.speculative_algorithm = None if algo == "plain" else algo
+    if window:
+        a2.speculative_window = window
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for o in overrides:
+        key, _, value = o.partition("=")
+        key = key.lstrip("-").replace("-", "_")
+        if key not in fields or not value:
+            raise ValueError(f"{flag} {spec!r}: {o!r} is not flag=value for an engine flag")
+        setattr(a2, key, parse_field(value, fields[key], source=f"{flag} {spec}"))
+    return a2, algo, window
+

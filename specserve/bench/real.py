@@ -26,8 +26,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
     add_prompt_args(p, default="mtbench")
     p.add_argument("--configs", nargs="+", default=["llama.cpp", "plain", "AUTO"],
-                   help="llama.cpp, plain, or a --speculative-algorithm value (AUTO, STANDALONE, NGRAM...); "
-                        "engine flags given here (e.g. --speculative-draft-model-path) apply to every specserve config")
+                   help="llama.cpp, plain, or ALGO[+WINDOW][:flag=value...] (AUTO, STANDALONE+fixed, "
+                        "AUTO:speculative-num-draft-tokens=6...); engine flags given here (e.g. "
+                        "--speculative-draft-model-path) apply to every specserve config")
     p.add_argument("--prefill-tokens", type=int, default=2000, help="length of the prefill probe (0: skip)")
 
 
@@ -69,12 +70,10 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
         from specserve.core import SamplingParams
         from specserve.engine.llm import LLM
 
-        a = argparse.Namespace(**cfg["args"])
-        a.speculative_algorithm = None if cfg["name"] == "plain" else cfg["name"]
-        llm = LLM.from_config(config_from_args(a, cfg["path"]))
+        llm = LLM.from_config(config_from_args(argparse.Namespace(**cfg["args"]), cfg["path"]))
         load = time.perf_counter() - t0
         meta = {"drafter": llm.engine.drafter.label if llm.engine.drafter else None,
-                "quantization": llm.engine.config.quantization}
+                "window": llm.config.speculative_window, "quantization": llm.engine.config.quantization}
         stats = {"verify": 0, "accepted": 0}
 
         def gen(ids: list[int], n: int) -> list[int]:
@@ -135,7 +134,7 @@ def run(a: argparse.Namespace) -> dict:
     from ..models.gguf_file import GGUFFile
     from ..models.loader import resolve_model_path
     from ..models.tokenizer import Tokenizer
-    from .common import record, workloads
+    from .common import config_args, record, workloads
 
     path = str(resolve_model_path(a.model or "smollm2-135m"))
     tok = Tokenizer.from_gguf(GGUFFile(path))
@@ -143,11 +142,12 @@ def run(a: argparse.Namespace) -> dict:
                for convs in workloads(a).values() for c in convs]
     filler = tok.encode("The quick brown fox jumps over the lazy dog. " * 400, add_special_tokens=False)
     threads = a.num_threads or torch.get_num_threads()
-    args = {k: v for k, v in vars(a).items() if not callable(v)}
     bw = stream_bandwidth_gbs()
     results: dict[str, Any] = {"stream_bandwidth_gbs": bw}
     for name in a.configs:
-        cfg = {"name": name, "path": path, "args": args, "threads": threads, "prompts": prompts,
+        args = {} if name == "llama.cpp" else vars(config_args(a, name, "--configs")[0])
+        cfg = {"name": name, "path": path, "args": {k: v for k, v in args.items() if not callable(v)},
+               "threads": threads, "prompts": prompts,
                "new_tokens": a.max_new_tokens, "prefill": filler[: a.prefill_tokens] if a.prefill_tokens else [],
                "file_weight_bytes": file_weight_bytes(path)}
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -171,12 +171,13 @@ def _summarize(results: dict[str, Any], names: list[str]) -> None:
     base = results.get("llama.cpp", {}).get("decode_tok_s")
     plain = results.get("plain", {}).get("outputs")
     print(f"machine streaming bandwidth: {results['stream_bandwidth_gbs']:.1f} GB/s")
-    print(f"{'config':<12}{'load s':>8}{'peak GiB':>10}{'tok/s':>8}{'vs l.cpp':>9}{'GB/s':>7}{'prefill':>9}{'tau':>6}  text")
+    w = max([12, *(len(n) + 2 for n in ok)])
+    print(f"{'config':<{w}}{'load s':>8}{'peak GiB':>10}{'tok/s':>8}{'vs l.cpp':>9}{'GB/s':>7}{'prefill':>9}{'tau':>6}  text")
     for n in ok:
         r = results[n]
         r["vs_llama_cpp"] = r["decode_tok_s"] / base if base else None
         r["text_equals_plain"] = None if plain is None or n == "plain" else r["outputs"] == plain
-        print(f"{n:<12}{r['load_s']:>8.1f}{r['peak_rss_gib']:>10.2f}{r['decode_tok_s']:>8.1f}"
+        print(f"{n:<{w}}{r['load_s']:>8.1f}{r['peak_rss_gib']:>10.2f}{r['decode_tok_s']:>8.1f}"
               f"{(r['vs_llama_cpp'] or 0):>9.2f}{r['gb_s']:>7.1f}{r.get('prefill_tok_s', 0):>9.1f}"
               f"{r.get('accept_length', 1.0):>6.2f}  {r['text_equals_plain']}")
 

@@ -7,16 +7,15 @@ number of new tokens per request, so every configuration produces the same token
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
 
-from ..config import EngineConfig, config_from_args, parse_field
+from ..config import config_from_args
 from ..core import SamplingParams
-from .common import add_prompt_args, record, workloads
+from .common import add_prompt_args, config_args, record, workloads
 
 _DT = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -42,19 +41,8 @@ def _engines(a: argparse.Namespace) -> dict[str, Any]:
 
     out = {}
     for spec in a.algos:
-        head, *overrides = spec.split(":")  # e.g. EAGLE3+cost:speculative-eagle-topk=4
-        algo, _, window = head.partition("+")  # e.g. NGRAM+cost: this config with --speculative-window cost
-        a2 = argparse.Namespace(**vars(a))
-        a2.speculative_algorithm = None if algo == "plain" else algo
-        if window:
-            a2.speculative_window = window
-        fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
-        for o in overrides:
-            key, _, value = o.partition("=")
-            key = key.lstrip("-").replace("-", "_")
-            if key not in fields or not value:
-                raise ValueError(f"--algos {spec!r}: {o!r} is not flag=value for an engine flag")
-            setattr(a2, key, parse_field(value, fields[key], source=f"--algos {spec}"))
+        a2, algo, window = config_args(a, spec, "--algos")
+        overrides = spec.split(":")[1:]
         llm = LLM.from_config(config_from_args(a2, a.model))
         label = algo if algo == "plain" else llm.engine.drafter.label.split(" ")[0]
         if algo.upper() == "AUTO":  # what AUTO resolved to, with its window policy

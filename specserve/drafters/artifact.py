@@ -8,6 +8,7 @@ and binds the target's frozen tensors. Drafters shipped with specserve live in
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 from pathlib import Path
@@ -49,13 +50,17 @@ def save_drafter(net: DraftNet, out: Path, card: str, dtype: torch.dtype = torch
     (out / "README.md").write_text(card)
 
 
+def is_drafter_artifact(path: str | Path) -> bool:
+    """A drafter artifact (`specserve train-drafter`'s output), not a model: its config names an algorithm."""
+    cfg = Path(path) / "config.json"
+    return cfg.is_file() and "algorithm" in json.loads(cfg.read_text())
+
+
 def read_config(path: str | Path) -> DrafterConfig:
     p = Path(path)
     if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
         raise ValueError(f"--speculative-draft-model-path: {p} is not a drafter artifact "
                          "(needs config.json and model.safetensors; make one with `specserve train-drafter`)")
-    import json
-
     return DrafterConfig.from_dict(json.loads((p / "config.json").read_text()))
 
 

@@ -97,13 +97,13 @@ class Capabilities:
 
     def flags(self) -> frozenset[str]:
         out = set(self.extra_flags)
-        for cap, names in _CAP_FLAGS.items():
+        for cap, names in CAP_FLAGS.items():
             if getattr(self, cap):
                 out |= set(names)
         return frozenset(out)
 
 
-_CAP_FLAGS = {"block": ("speculative_block_size", "speculative_dspark_block_size", "speculative_lattice_topk"),
+CAP_FLAGS = {"block": ("speculative_block_size", "speculative_dspark_block_size", "speculative_lattice_topk"),
               "tree": ("speculative_num_steps", "speculative_eagle_topk"),
               "features": ("speculative_draft_attention_window",),
               "samples": ("speculative_greedy_draft",),
@@ -111,11 +111,13 @@ _CAP_FLAGS = {"block": ("speculative_block_size", "speculative_dspark_block_size
 TREE_STEPS, TREE_NODES = 4, 8  # EAGLE-2 tree defaults: depth, nodes besides the root
 #: what AUTO resolves to (spec/resolve.py), first choice first: NGRAM over the corpus n-gram table shipped for
 #: the target (prompt lookup, else the table: microseconds per draft), else HYBRID over the shipped DSpark
-#: (prompt lookup, else the learned drafter); each source gated on its own by `cost`. The flags of both apply.
+#: (prompt lookup, else the learned drafter); each source gated on its own by `cost`. The flags of both apply;
+#: --speculative-draft-model-path (a HYBRID flag) picks HYBRID over that drafter or draft model.
 AUTO_ALGORITHMS = ("NGRAM", "HYBRID")
 AUTO_ARTIFACT = "dspark"  # the shipped learned drafter HYBRID needs
-AUTO_HELP = ("NGRAM over the n-gram table shipped for the target, else HYBRID over its shipped DSpark, else plain "
-             "decoding (the default of serve/generate/chat)")
+AUTO_HELP = ("HYBRID over --speculative-draft-model-path when given (prompt lookup, else that draft model or "
+             "drafter); else NGRAM over the n-gram table shipped for the target, else HYBRID over its shipped DSpark, "
+             "else plain decoding (the default of serve/generate/chat)")
 
 Factory = Callable[["DrafterContext"], Drafter]
 
@@ -151,7 +153,7 @@ def registry() -> dict[str, DrafterEntry]:
 
 def algorithm_flags() -> frozenset[str]:
     """Fields that only some algorithms use (every other speculative_* field applies to all of them)."""
-    return frozenset({n for names in _CAP_FLAGS.values() for n in names}
+    return frozenset({n for names in CAP_FLAGS.values() for n in names}
                      | {n for e in registry().values() for n in e.caps.extra_flags})
 
 

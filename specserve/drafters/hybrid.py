@@ -1,22 +1,24 @@
-"""HYBRID: prompt lookup where the context repeats itself, the learned drafter everywhere else.
+"""HYBRID: prompt lookup where the context repeats itself, a model drafter everywhere else.
 
 Per request and step: when a suffix of the committed context of at least --speculative-ngram-min-match
 tokens (default 3 here: a long match) occurred earlier, the n-gram continuation is the proposal; else
-the learned drafter (the DSpark shipped for the target, or --speculative-draft-model-path, any learned
-artifact) drafts it. NOTE: the choice reads only committed tokens, never a draft, so each request's
-proposal is an ordinary proposal of one of the two drafters — lossless as each of them is. The learned
-drafter sees every commit (its features stay in sync) whether or not it drafted that step.
+the inner drafter drafts it: --speculative-draft-model-path's learned artifact (any kind) or draft model
+(a GGUF or checkpoint of the target's tokenizer: STANDALONE), else the DSpark shipped for the target.
+NOTE: the choice reads only committed tokens, never a draft, so each request's proposal is an ordinary
+proposal of one of the two drafters — lossless as each of them is. The inner drafter sees every commit
+(a learned drafter's features stay in sync; a draft model catches up on the tokens it did not draft)
+whether or not it drafted that step.
 """
 from __future__ import annotations
 
 import torch
 
 from ..core import Proposal, Request
-from .artifact import learned_artifact, learned_factory, read_config
+from .artifact import is_drafter_artifact, learned_artifact, learned_factory, read_config
 from .base import AUTO_ARTIFACT, Capabilities, Drafter, register_drafter
 from .context import DrafterContext
-from .learned import LearnedDrafter
 from .ngram import RequestLookups
+from .standalone import make_standalone
 
 LONG_MATCH = 3  # HYBRID's default --speculative-ngram-min-match
 
@@ -24,12 +26,13 @@ LONG_MATCH = 3  # HYBRID's default --speculative-ngram-min-match
 class HybridDrafter(Drafter):
     sources = ("lookup", "learned")
 
-    def __init__(self, learned: LearnedDrafter, min_match: int, max_match: int) -> None:
-        self.learned = learned
+    def __init__(self, learned: Drafter, min_match: int, max_match: int) -> None:
+        self.learned = learned  # the inner drafter (a learned one or a draft model): the source "learned"
         self.label = f"HYBRID(NGRAM+{learned.label})"
         self.aux_layers = learned.aux_layers
         self.supplies_q = learned.supplies_q
         self.drafts_whole_window = learned.drafts_whole_window
+        self.runner = getattr(learned, "runner", None)  # a draft model's runner: `cost` prices its forwards
         self.lookup = RequestLookups(min_match, max_match)
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
@@ -68,11 +71,14 @@ class HybridDrafter(Drafter):
 @register_drafter("HYBRID", Capabilities(block=True, features=True, samples=True, draft_model=True,
                                          default_window="confidence",
                                          extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match")),
-                  help="n-gram lookup on long matches, else the learned drafter")
+                  help="n-gram lookup on long matches, else the learned drafter or draft model")
 def _make(ctx: DrafterContext) -> Drafter:
     c = ctx.config
     path = learned_artifact(c, ctx.target_cfg, "HYBRID")
-    learned = learned_factory(read_config(path).algorithm if path else AUTO_ARTIFACT)(ctx)
+    if path is not None and not is_drafter_artifact(path):
+        learned = make_standalone(ctx)
+    else:
+        learned = learned_factory(read_config(path).algorithm if path else AUTO_ARTIFACT)(ctx)
     max_match = c.value("speculative_ngram_max_match")
     min_match = c.speculative_ngram_min_match or min(LONG_MATCH, max_match)
     return HybridDrafter(learned, min_match, max_match)

@@ -25,7 +25,7 @@ import torch
 
 from ..cache.kv_pool import KVPool
 from ..core import Proposal, Request
-from ..runtime.sampling import grammar_allowed, sample, target_logits
+from ..runtime.sampling import expected_q, grammar_allowed, sample, target_logits
 from .base import Drafter
 from .context import DrafterContext
 from .nets import DraftNet
@@ -185,9 +185,12 @@ class LearnedDrafter(Drafter):
         processes its row (grammar mask, penalties, temperature, top-k/p, min-p) so that q is the distribution
         it was drawn from (`probs` None: the caller needs no confidence from an argmax). Under a grammar that allows nothing in the draft vocabulary, the draft is drawn
         uniformly from what it allows (a valid draft with its true q, likely rejected).
-        Returns (token, q or None, its draft confidence). NOTE: the confidence is the probability of the
-        token drafted, under the distribution it was chosen from (q; argmax: `probs` over what the grammar
-        allows), never the row's top probability: at T > 0 or under a grammar those differ."""
+        Returns (token, q or None, its draft confidence): argmax, the probability of the token drafted among
+        what the grammar allows; sampled, E_{x~q}[q(x)] = Σ q², the drafted token's probability in expectation.
+        NOTE: never q(token) of a sampled token: a window cut that reads the drafted token's own value biases the
+        output (a draft kept only when q(x) is high is accepted at min(p, q) from a q it no longer follows);
+        a function of the row alone keeps it lossless. Never the row's top probability either (it overstates
+        a sampled draft's chance)."""
         ids = self.net.draft_ids
         allowed = grammar_allowed(req, drafts)
         ok = None if allowed is None or not bool(allowed.any()) else allowed[ids]
@@ -209,5 +212,4 @@ class LearnedDrafter(Drafter):
         q = torch.softmax(x, dim=-1)
         if not bool(torch.isfinite(q).all()):  # NOTE: raised, not sampled: the engine fails this request alone
             raise FloatingPointError("draft distribution contains NaN/Inf (non-finite target features or draft weights)")
-        tok = sample(q, req.generator)
-        return tok, q, q[tok]
+        return sample(q, req.generator), q, expected_q(q)

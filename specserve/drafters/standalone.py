@@ -3,7 +3,9 @@ own KV pool (sized from its own geometry) and its own page tables.
 
 Draft-side state per request: `done` = positions whose draft KV is valid. Propose catches up on
 tokens the draft has not seen (the last token, accepted drafts beyond what it wrote, the bonus),
-then feeds its own drafts one by one. Commit truncates `done` to what the target accepted.
+then feeds its own drafts one by one, each with its confidence (the draft probability of the token), and
+stops a request once the cumulative confidence falls below the window policy's floor (a draft position
+costs a draft forward; the policy would not verify it). Commit truncates `done` to what the target accepted.
 A hybrid draft model (recurrent layers) cannot truncate its state: it keeps a state slot per request
 plus a snapshot of the state at every position it drafted past `base` in this round, and commit
 copies the snapshot at the new `done` back into the slot (the slot always holds the state at `done`).
@@ -21,7 +23,7 @@ import torch
 from ..cache.kv_pool import KVPool, OutOfPages
 from ..core import Proposal, Request
 from ..runtime.runner import ModelRunner
-from ..runtime.sampling import grammar_allowed, sample, target_logits
+from ..runtime.sampling import expected_q, grammar_allowed, sample, target_logits
 from ..models.forward_batch import RowStates, StateBatch
 from .base import Capabilities, Drafter, register_drafter
 from .context import DrafterContext
@@ -45,10 +47,11 @@ class _DraftState:
 class StandaloneDrafter(Drafter):
     label = "STANDALONE"
 
-    def __init__(self, runner: ModelRunner, greedy_draft: bool = False) -> None:
+    def __init__(self, runner: ModelRunner, greedy_draft: bool = False, stop_below: float = 0.0) -> None:
         self.runner = runner
         self.kv: KVPool = runner.kv
         self.greedy_draft = greedy_draft
+        self.stop_below = stop_below
         self.state: dict[str, _DraftState] = {}
         self.supplies_q = not self.greedy_draft
         self.prefix: DraftPrefix | None = None
@@ -119,22 +122,27 @@ class StandaloneDrafter(Drafter):
                 st.done = start + n
                 self._cache(req, st)
 
-    def _draft_token(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
+    def _draft_token(self, req: Request, logits: torch.Tensor,
+                     drafts: list[int]) -> tuple[int, torch.Tensor | None, float]:
         """Draft token from one row of draft logits, processed as the target will process its row
-        (the grammar mask first, as the target's)."""
+        (the grammar mask first, as the target's); with q (None: verified one-hot) and its confidence (argmax: its
+        probability; sampled: E_{x~q}[q(x)], a function of the row alone — see learned.py `_choose`)."""
         allowed = grammar_allowed(req, drafts)
         if allowed is not None and bool(allowed.any()):
             logits = logits.masked_fill(~allowed, float("-inf"))
         x = target_logits(logits[None], req.params, req.prompt_ids, req.output_ids + drafts, [])[0]
-        if req.params.greedy or self.greedy_draft:
-            return int(x.argmax()), None  # deterministic: verified one-hot
         q = torch.softmax(x.float(), dim=-1)
-        return sample(q, req.generator), q
+        if req.params.greedy or self.greedy_draft:
+            tok = int(x.argmax())
+            return tok, None, float(q[tok])  # deterministic: verified one-hot
+        return sample(q, req.generator), q, float(expected_q(q))
 
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
         B = len(reqs)
         tokens: list[list[int]] = [[] for _ in range(B)]
         qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        conf: list[list[float]] = [[] for _ in range(B)]
+        live = [1.0] * B  # cumulative confidence
         active = []
         for b, (req, w) in enumerate(zip(reqs, window)):
             st = self._st(req)
@@ -157,11 +165,13 @@ class StandaloneDrafter(Drafter):
             self._advance(sts, states, [len(pending[b]) for b in active])
             still = []
             for b, st, row in zip(active, sts, logits):
-                tok, q = self._draft_token(reqs[b], row[0], tokens[b])
+                tok, q, c = self._draft_token(reqs[b], row[0], tokens[b])
                 tokens[b].append(tok)
+                conf[b].append(c)
+                live[b] *= c
                 if q is not None:
                     qs[b].append(q)
-                if len(tokens[b]) < window[b]:
+                if len(tokens[b]) < window[b] and live[b] >= self.stop_below:
                     pending[b] = [tok]
                     still.append(b)
             active = still
@@ -169,7 +179,8 @@ class StandaloneDrafter(Drafter):
             st = self._st(req)
             st.written = st.done
         q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]
-        return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None)
+        return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None,
+                        confidence=[torch.tensor(c, dtype=torch.float64) for c in conf])
 
     def commit(self, reqs: list[Request], num_accepted: list[int], feats: list[torch.Tensor] | None = None) -> None:
         for req, n in zip(reqs, num_accepted):
@@ -226,5 +237,5 @@ def load_draft_model(ctx: DrafterContext) -> "LlamaModel":
 @register_drafter("STANDALONE", Capabilities(samples=True, draft_model=True, needs_draft_model_path=True,
                                              extra_flags=("speculative_draft_vocab",)),
                   aliases=("DRAFT_MODEL",), help="a smaller model of the target's vocabulary")
-def _make(ctx: DrafterContext) -> Drafter:
-    return StandaloneDrafter(build_draft_runner(ctx, load_draft_model(ctx)), ctx.greedy_draft)
+def make_standalone(ctx: DrafterContext) -> StandaloneDrafter:
+    return StandaloneDrafter(build_draft_runner(ctx, load_draft_model(ctx)), ctx.greedy_draft, ctx.floor)

@@ -37,13 +37,15 @@ class SyntheticDrafter(StandaloneDrafter):
         super().release(req)
         self.rngs.pop(req.request_id, None)
 
-    def _draft_token(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, None]:
+    def _draft_token(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, None, float]:
+        """The argmax, or any other token with probability 1 − rate; its confidence is `rate` (at T = 0 its
+        acceptance probability by construction, whichever token was drawn)."""
         tok = int(logits.argmax())
         rng = self._rng(req)
         if torch.rand((), generator=rng).item() >= self.rate:
             shift = int(torch.randint(1, self.vocab, (), generator=rng))
             tok = (tok + shift) % self.vocab  # any token but the argmax
-        return tok, None
+        return tok, None, self.rate
 
 
 @register_drafter("SYNTHETIC", Capabilities(extra_flags=("speculative_synthetic_accept_rate",)),

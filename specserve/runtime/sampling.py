@@ -81,6 +81,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def expected_q(q: torch.Tensor) -> torch.Tensor:
+    """E_{x~q}[q(x)] = Σ q²: a sampled draft's confidence. NOTE: a function of the row alone, never of the token
+    drawn, so a window cut that reads it cannot bias which drafts are verified (drafters/learned.py `_choose`)."""
+    return (q * q).sum()
+
+
 def token_logprobs(raw_logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
     """Logprobs of the raw model distribution (before penalties/temperature, as vLLM reports them)."""
     lp = torch.log_softmax(raw_logits[: len(tokens)].double(), dim=-1)

@@ -12,8 +12,9 @@ import dataclasses
 from pathlib import Path
 
 from ..config import EngineConfig
-from ..drafters.artifact import learned_artifact, read_config, shipped_drafter
-from ..drafters.base import AUTO_ARTIFACT, TREE_NODES, TREE_STEPS, capabilities, default_window, validate_flags
+from ..drafters.artifact import is_drafter_artifact, learned_artifact, read_config, shipped_drafter
+from ..drafters.base import (AUTO_ARTIFACT, CAP_FLAGS, TREE_NODES, TREE_STEPS, capabilities, default_window,
+                             validate_flags)
 from ..drafters.context import SpecSettings
 from ..drafters.nets import DrafterConfig
 from ..drafters.ngram_table import shipped_table
@@ -94,13 +95,20 @@ def resolve_settings(c: EngineConfig, target: ModelConfig) -> SpecSettings:
     caps = capabilities(c.speculative_algorithm)
     if caps.block or caps.tree:  # a learned drafter's artifact (STANDALONE loads a model of its own)
         path = learned_artifact(c, target, c.speculative_algorithm)
+        if path is not None and c.speculative_algorithm == "HYBRID" and not is_drafter_artifact(path):
+            path = None  # HYBRID over a draft model: chains of --speculative-num-draft-tokens
+            block_flags = [f for f in CAP_FLAGS["block"] if getattr(c, f) is not None]
+            if block_flags:
+                raise ValueError(f"--{block_flags[0].replace('_', '-')} applies to block drafters (DFLASH, DSPARK); "
+                                 f"{c.speculative_draft_model_path} is a draft model (chains)")
         trained = read_config(path) if path is not None else None
     return spec_settings(c, trained, path)
 
 
 def auto_algorithm(config: EngineConfig, target: ModelConfig) -> str | None:
     """NGRAM over the table shipped for the target, else HYBRID over its shipped DSpark, else None (plain).
-    A flag only one of them takes picks that one; flags of both are refused by name."""
+    A flag only one of them takes picks that one (--speculative-draft-model-path: HYBRID over that draft model or
+    drafter); flags of both are refused by name."""
     def given(algo: str, other: str) -> list[str]:
         own = capabilities(algo).flags() - capabilities(other).flags()
         return sorted(f for f in own if getattr(config, f) is not None)

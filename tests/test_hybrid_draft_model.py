@@ -1,0 +1,100 @@
+"""HYBRID over a draft model (prompt lookup on long matches, the draft model elsewhere), what AUTO picks when
+--speculative-draft-model-path names a model, and the draft model's confidence stop: greedy output == plain
+output with both sources drafting, the exact target distribution at T > 0, flags checked by name."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import specserve.drafters.hybrid as hybrid
+from specserve import LLM, SamplingParams
+
+from .dist import engine_vs_exact_joint
+from .spec_helpers import assert_no_leak, check_stats, drive
+from .tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    cfg, dcfg = tiny_config("llama"), tiny_config("qwen2", layers=1)
+    return {"target": save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=1), root / "target"),
+            "small": save_tiny_hf_dir(dcfg, tiny_state_dict(dcfg, seed=2), root / "small")}
+
+
+@pytest.mark.parametrize("algo", ["HYBRID", "AUTO"])
+def test_hybrid_over_draft_model_greedy_equals_plain(dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+                                                     algo: str) -> None:
+    used = {"lookup": 0, "model": 0}
+    real_lookup = hybrid.RequestLookups.__call__
+    monkeypatch.setattr(hybrid.RequestLookups, "__call__", lambda *a: (r := real_lookup(*a)) and used.update(
+        lookup=used["lookup"] + 1) or r)
+    llm = LLM(dirs["target"], dtype="float64", speculative_algorithm=algo, speculative_draft_model_path=dirs["small"],
+              speculative_num_draft_tokens=4, page_size=4, max_prefill_tokens=9)
+    eng = llm.engine
+    assert eng.drafter.label == "HYBRID(NGRAM+STANDALONE)"
+    inner = eng.drafter.learned
+    real_propose = inner.propose
+    monkeypatch.setattr(inner, "propose", lambda reqs, w: used.update(model=used["model"] + any(w)) or
+                        real_propose(reqs, w))
+    rng = random.Random(3)
+    plan = [(i, [rng.randrange(97) for _ in range(rng.randint(2, 10))] * rng.randint(1, 3),
+             SamplingParams(temperature=0, max_tokens=30)) for i in range(5)]
+    reqs = drive(llm, plan)
+    for (_, prompt, sp), r in zip(plan, reqs):
+        assert r.output_ids == reference_greedy(eng.model, prompt, sp.max_tokens)
+    assert used["lookup"] > 0 and used["model"] > 0, used
+    check_stats(eng, reqs)
+    assert_no_leak(eng)
+    assert inner.state == {} and inner.kv.allocator.num_free == inner.kv.allocator.num_pages
+
+
+def test_hybrid_over_draft_model_sampling_matches_target_distribution(tmp_path: Path) -> None:
+    """One-hot lookups and the draft model's sampled q mixed in one batch reproduce the exact target joint."""
+    V, L, N = 3, 5, 2500
+    cfg = tiny_config("llama", vocab=V)
+    target = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=11), tmp_path / "t")
+    draft = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=12), tmp_path / "d")
+    llm = LLM(target, dtype="float64", speculative_algorithm="HYBRID", speculative_draft_model_path=draft,
+              speculative_num_draft_tokens=3, speculative_ngram_min_match=2, max_running_requests=256)
+    fit = engine_vs_exact_joint(llm, [1, 2, 1, 2], L, SamplingParams(temperature=6.0, max_tokens=L, top_p=0.95), N)
+    assert fit.ok, fit
+    assert sum(o.meta_info["spec_accepted_tokens"] for o in fit.outs) > 0
+
+
+def test_draft_model_stops_below_the_confidence_floor(dirs: dict[str, str]) -> None:
+    """With the confidence window, the draft model stops a request once its cumulative confidence is below the
+    threshold (it would not be verified), so it drafts fewer than K; the output stays the target's."""
+    kw = dict(dtype="float64", speculative_algorithm="STANDALONE", speculative_draft_model_path=dirs["small"],
+              speculative_num_draft_tokens=8)
+    prompts = [[5, 6, 7, 8], [1, 2, 3], [9, 9, 4]]
+    drafted = {}
+    for thr in (0.0, 0.5):
+        window = {} if thr == 0 else dict(speculative_window="confidence", speculative_confidence_threshold=thr)
+        llm = LLM(dirs["target"], **kw, **window)
+        seen: list[list[float]] = []
+        real = llm.engine.drafter.propose
+
+        def spy(reqs, w, real=real, seen=seen):  # noqa: ANN001, ANN202
+            p = real(reqs, w)
+            seen.extend(c.tolist() for c, t in zip(p.confidence, p.tokens) if t)
+            return p
+        llm.engine.drafter.propose = spy
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+        for p, o in zip(prompts, outs):
+            assert o.token_ids == reference_greedy(llm.engine.model, p, 16)
+        assert all(0 < c <= 1 for cs in seen for c in cs)
+        cum = [torch.tensor(cs).cumprod(0).tolist() for cs in seen]
+        if thr:  # drafting stops at the first position whose cumulative confidence falls below the floor
+            assert all(all(x >= thr for x in c[:-1]) for c in cum)
+        drafted[thr] = sum(len(c) for c in seen) / len(seen)
+    assert drafted[0.5] < drafted[0.0]
+
+
+def test_hybrid_over_draft_model_refuses_block_flags(dirs: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="--speculative-block-size applies to block drafters .* is a draft model"):
+        LLM(dirs["target"], dtype="float64", speculative_algorithm="HYBRID",
+            speculative_draft_model_path=dirs["small"], speculative_block_size=4)

@@ -58,6 +58,18 @@ def teacher_forced_logits(model, ids: list[int], chunk: int = 256, kv_dtype: tor
     return torch.cat(out)
 
 
+def llama_cpp_logits(model_name: str, ids: list[int], threads: int) -> torch.Tensor:
+    """llama.cpp's logits [len(ids), V] for the same sequence on the same GGUF (its own arithmetic)."""
+    from llama_cpp import Llama
+
+    from ..models.loader import resolve_model_path
+
+    llm = Llama(model_path=str(resolve_model_path(model_name)), n_ctx=len(ids) + 16, n_batch=512, logits_all=True,
+                n_threads=threads, verbose=False)
+    llm.eval(ids)
+    return torch.from_numpy(llm.scores[: len(ids)].copy()).float()
+
+
 def compare(ref: torch.Tensor, logits: torch.Tensor, ids: list[int]) -> dict[str, float]:
     """Top-1 agreement with `ref` over next-token positions and perplexity of `ids` under `logits`."""
     target = torch.tensor(ids[1:])
@@ -76,7 +88,8 @@ def build(model_name: str, mode: str):  # noqa: ANN201
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="smollm2-135m", help="model (default smollm2-135m)")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, "llama.cpp"],
+                   help="specserve modes; llama.cpp = llama-cpp-python's logits on the same GGUF (where installed)")
     p.add_argument("--tokens", type=int, default=1024, help="held-out tokens")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", default=None, help="JSON result path (default bench/results/quality-<time>.json)")
@@ -91,9 +104,13 @@ def run(a: argparse.Namespace) -> None:
     del ref_model
     rows = []
     for mode in a.modes:
-        model, _ = build(a.model, mode)
-        kv = torch.bfloat16 if mode.endswith("-kvbf16") else None
-        r = {"mode": mode, **compare(ref, teacher_forced_logits(model, ids, kv_dtype=kv), ids)}
+        if mode == "llama.cpp":
+            logits = llama_cpp_logits(a.model, ids, a.threads or torch.get_num_threads())
+        else:
+            model, _ = build(a.model, mode)
+            kv = torch.bfloat16 if mode.endswith("-kvbf16") else None
+            logits = teacher_forced_logits(model, ids, kv_dtype=kv)
+        r = {"mode": mode, **compare(ref, logits, ids)}
         rows.append(r)
         print(f"{mode:9s} agreement {r['agreement']:.4f}  ppl {r['ppl']:.3f}", flush=True)
     print("wrote", record("quality", a, rows, {"tokens": len(ids)}))

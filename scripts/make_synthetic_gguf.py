@@ -20,7 +20,7 @@ from typing import IO, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGML_QUANT_SIZES, TokenType
 
 QK = 256  # K-quant super-block
 DEFAULT_TOKENIZER = Path("~/.cache/specserve/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
@@ -149,20 +149,30 @@ def tensor_specs(a: argparse.Namespace, n_tokens: int) -> list[Spec]:
     return out
 
 
-def copy_tokenizer(src: Path, w: GGUFWriter) -> int:
-    """Copy every tokenizer.* field of `src`; return its token count."""
+def copy_tokenizer(src: Path, w: GGUFWriter, rows: int | None) -> int:
+    """Copy every tokenizer.* field of `src`; return its token count. With `rows` beyond that count, the token
+    list is padded to `rows` with "[PAD<id>]" tokens of type UNUSED, as llama.cpp's converter pads Qwen2.5-7B's
+    151,936 tokens to its 152,064 embedding rows (llama.cpp refuses an embedding whose rows differ from the
+    token count)."""
     r = GGUFReader(str(src))
-    n = 0
+    n = len(r.fields["tokenizer.ggml.tokens"].contents()) if "tokenizer.ggml.tokens" in r.fields else 0
+    if not n:
+        raise ValueError(f"{src}: no tokenizer.ggml.tokens")
+    if rows is not None and rows < n:
+        raise SystemExit(f"--vocab-rows {rows} < the tokenizer's {n} tokens")
+    pad = (rows or n) - n
     for key, f in r.fields.items():
         if not key.startswith("tokenizer."):
             continue
         sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
         val = f.contents()
+        if pad and key == "tokenizer.ggml.tokens":
+            val = val + [f"[PAD{i}]" for i in range(n, n + pad)]
+        elif pad and key == "tokenizer.ggml.token_type":
+            val = val + [int(TokenType.UNUSED)] * pad
+        elif pad and key == "tokenizer.ggml.scores":
+            val = val + [0.0] * pad
         w.add_key_value(key, val, f.types[0], sub)
-        if key == "tokenizer.ggml.tokens":
-            n = len(val)
-    if not n:
-        raise ValueError(f"{src}: no tokenizer.ggml.tokens")
     return n
 
 
@@ -185,10 +195,8 @@ def write(a: argparse.Namespace) -> list[Spec]:
     w.add_layer_norm_rms_eps(a.rms_eps)
     w.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     w.add_quantization_version(2)
-    n_tokens = copy_tokenizer(Path(a.tokenizer_from).expanduser(), w)
+    n_tokens = copy_tokenizer(Path(a.tokenizer_from).expanduser(), w, a.vocab_rows or None)
     a.vocab_rows = a.vocab_rows or n_tokens
-    if n_tokens > a.vocab_rows:
-        raise SystemExit(f"--vocab-rows {a.vocab_rows} < the tokenizer's {n_tokens} tokens")
     specs = tensor_specs(a, n_tokens)
     for s in specs:
         if s.qtype == F32:

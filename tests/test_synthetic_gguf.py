@@ -113,3 +113,15 @@ def test_qwen_tokenizer_padded_vocab_rows(tmp_path: Path) -> None:
     res = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert "<|im_start|>assistant" in tok.decode(res[0].prompt_token_ids, skip_special_tokens=False)
     assert all(t < 151936 for t in res[0].token_ids)
+    from gguf import GGUFReader
+    from gguf.constants import TokenType
+
+    f = GGUFReader(str(out)).fields  # padded as llama.cpp's converter pads the real 7B's token list
+    toks, types = f["tokenizer.ggml.tokens"].contents(), f["tokenizer.ggml.token_type"].contents()
+    assert len(toks) == len(types) == 152064 and toks[151936] == "[PAD151936]" and toks[-1] == "[PAD152063]"
+    assert set(types[151936:]) == {TokenType.UNUSED}
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return
+    assert Llama(model_path=str(out), n_ctx=64, verbose=False).n_vocab() == 152064  # llama.cpp loads it

@@ -14,15 +14,12 @@ from specserve import LLM, SamplingParams
 
 from .dist import engine_vs_exact_joint
 from .spec_helpers import assert_no_leak, check_stats, drive
-from .tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
+from .tiny import reference_greedy, save_tiny_hf_dir, target_and_draft_dirs, tiny_config, tiny_state_dict
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("models")
-    cfg, dcfg = tiny_config("llama"), tiny_config("qwen2", layers=1)
-    return {"target": save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=1), root / "target"),
-            "small": save_tiny_hf_dir(dcfg, tiny_state_dict(dcfg, seed=2), root / "small")}
+    return target_and_draft_dirs(tmp_path_factory.mktemp("models"))
 
 
 @pytest.mark.parametrize("algo", ["HYBRID", "AUTO"])

@@ -15,7 +15,7 @@ from specserve.engine.llm import LLM
 from specserve.models.quant import quantize_model
 from tests.drafter_setup import ALGOS, _spec_llm  # noqa: F401  (the `trained` fixture: conftest.py)
 from tests.hybrid_setup import tiny_hybrid
-from tests.tiny import save_tiny_hf_dir, tiny_config, tiny_model, tiny_state_dict
+from tests.tiny import target_and_draft_dirs, tiny_model
 
 SP = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
 
@@ -100,10 +100,7 @@ def test_next_turn_hits_the_answer_and_preemption_hits_its_own_work() -> None:
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("models")
-    cfg, dcfg = tiny_config("llama"), tiny_config("qwen2", layers=1)
-    return {"target": save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=1), root / "target"),
-            "small": save_tiny_hf_dir(dcfg, tiny_state_dict(dcfg, seed=2), root / "small")}
+    return target_and_draft_dirs(tmp_path_factory.mktemp("models"))
 
 
 def _spec_pair(make, prompts: list[list[int]], sp: SamplingParams) -> tuple[LLM, list, list]:  # noqa: ANN001

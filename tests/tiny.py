@@ -105,3 +105,10 @@ def ref_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     kv.ensure(pt, len(ids))
     logits, _ = ModelRunner(model, kv).forward([pt], [0], [ids], [list(range(len(ids)))])
     return logits[0]
+
+
+def target_and_draft_dirs(root) -> dict[str, str]:  # noqa: ANN001
+    """A tiny llama target and a 1-layer qwen2 draft of the same vocabulary, saved as HF dirs."""
+    cfg, dcfg = tiny_config("llama"), tiny_config("qwen2", layers=1)
+    return {"target": save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=1), root / "target"),
+            "small": save_tiny_hf_dir(dcfg, tiny_state_dict(dcfg, seed=2), root / "small")}

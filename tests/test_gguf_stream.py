@@ -152,3 +152,23 @@ def test_streamed_reduced_head_is_the_picked_rows(tmp_path: Path, qtype: str) ->
     rest = torch.ones(260, dtype=torch.bool)
     rest[ids] = False
     assert torch.isinf(got[:, rest]).all()
+
+
+def test_streamed_load_releases_every_copied_matrix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each projection and the head drop their mapped pages once packed (the load's peak stays near the file,
+    not twice it); a released tensor still reads the same bytes (refaulted from the page cache)."""
+    from specserve.models.gguf_file import GGUFFile
+
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, "qwen2", _tiny_tensors(260, bias=True), qtype="Q8_0")
+    released: list[str] = []
+    real = GGUFFile.release
+    monkeypatch.setattr(GGUFFile, "release", lambda self, t: (released.append(t.name), real(self, t)))
+    build_model(str(path), torch.float32, "w4a8")
+    f = GGUFFile(path)
+    mats = {t.name for t in f.tensors if len(t.shape) == 2 and t.name != "token_embd.weight"}
+    assert mats and mats <= set(released)
+    before = [np.array(t.data) for t in f.tensors]
+    for t in f.tensors:
+        f.release(t)
+    assert all(np.array_equal(a, t.data) for a, t in zip(before, f.tensors))

@@ -37,6 +37,7 @@ class GGUFTensors(Mapping):
     llama family), `codes(name)` gives the raw blocks (RawBlocks) or None. Nothing is cached."""
 
     def __init__(self, reader: Any, num_heads: int, num_kv_heads: int, permuted: bool) -> None:
+        self.reader = reader
         self.by_name = {n: t for t in reader.tensors if (n := hf_name(t.name)) is not None}
         self.heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if permuted else {}
 
@@ -66,6 +67,12 @@ class GGUFTensors(Mapping):
         # NOTE: a row permutation moves whole rows, so every block stays exact
         order = None if n is None else unpermute_rotary(torch.arange(shape[0]), n).contiguous()
         return RawBlocks(t.data, qtype, shape, order, t.name)
+
+    def release(self, names: list[str]) -> None:
+        """Those tensors are copied out: drop their mapped pages from the RSS (GGUFFile.release)."""
+        for n in names:
+            if n in self.by_name and hasattr(self.reader, "release"):
+                self.reader.release(self.by_name[n])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.by_name)
@@ -113,7 +120,7 @@ def load_quantized_gguf(path: str | Path, mode: str, dtype: torch.dtype, reserve
     # NOTE: parameters are torch.empty: their pages are never touched for the matrices swapped out below
     model = model_class(cfg.architecture)(cfg, dtype)
     model.load_weights(tensors, matrices=False)
-    quantize_model(model, mode, tensors.codes, dense=tensors.__getitem__, head_rows=head_rows)
+    quantize_model(model, mode, tensors.codes, dense=tensors.__getitem__, head_rows=head_rows, done=tensors.release)
     emb = tensors.by_name["model.embed_tokens.weight"]
     # a dense table in the file, or a tied head left float: the embedding stays a dense parameter
     if emb.tensor_type.name in ("F32", "F16", "BF16") or model.lm_head is model.embed:

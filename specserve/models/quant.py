@@ -232,13 +232,15 @@ def check_quantizable(cfg: "ModelConfig", mode: str) -> None:  # noqa: F821
 
 
 def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCodes] | Callable | None" = None,
-                   dense: Callable[[str], torch.Tensor] | None = None, head_rows: torch.Tensor | None = None) -> None:
+                   dense: Callable[[str], torch.Tensor] | None = None, head_rows: torch.Tensor | None = None,
+                   done: Callable[[list[str]], None] = lambda names: None) -> None:
     """Swap every projection and the LM head of a LlamaModel for quantized weights in place.
     `blocks`: HF name → the GGUF file's exact blocks (a dict from load_gguf, or a lookup function), None
     where the file has none. `dense`: HF name → the float weight, for weights the mode re-quantizes; without
     it the model's own (loaded) float weights are used. With `dense`, the model's float matrices need not be
     loaded at all (the streaming GGUF load). The embedding table stays as it is (it is gathered, not multiplied).
-    `head_rows`: sorted vocab ids; the LM head keeps only those rows (a draft model's reduced vocabulary)."""
+    `head_rows`: sorted vocab ids; the LM head keeps only those rows (a draft model's reduced vocabulary).
+    `done(names)`: called once those weights are copied out (the streaming load drops their mapped pages)."""
     if mode not in MODES:
         raise ValueError(f"--quantization: unknown {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "int4" and model.dtype not in (torch.float32, torch.bfloat16):
@@ -260,10 +262,12 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCo
             if not ok(w):
                 if dense:  # stays float: load it now
                     w.copy_(float_of(names, w)())
+                    done(names)
                 continue
             file_codes = [codes_of(n) for n in names]
             delattr(layer, name)  # a Parameter slot cannot hold the packed weight
             setattr(layer, name, make(_codes(mode, file_codes, float_of(names, w))))
+            done(names)
     key = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
     head_codes, head_float = codes_of(key), float_of([key], model.lm_head)
     if head_rows is not None:
@@ -282,6 +286,8 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCo
     else:
         if dense and not model.cfg.tie_word_embeddings:
             model.lm_head.copy_(dense(key))
+        done([key])
         return
     del model.lm_head  # when tied, only the alias goes: the embedding stays registered
     model.lm_head = head
+    done([key])

@@ -95,3 +95,38 @@ def test_hybrid_over_draft_model_refuses_block_flags(dirs: dict[str, str]) -> No
     with pytest.raises(ValueError, match="--speculative-block-size applies to block drafters .* is a draft model"):
         LLM(dirs["target"], dtype="float64", speculative_algorithm="HYBRID",
             speculative_draft_model_path=dirs["small"], speculative_block_size=4)
+
+
+def test_draft_model_skips_its_prefill_where_drafting_does_not_pay(dirs: dict[str, str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cost` windows: verifying is cheap up to 2 tokens and dear beyond, so a draft position pays at batch 1
+    only. Requests admitted towards a batch of 4 never run the draft model (no prefill forward, no drafts,
+    lookups still drafted); a request alone afterwards does; every output is the target's greedy one."""
+    from specserve.spec.cost import CostModel
+    from specserve.spec.gate import DraftGate
+
+    curve, draft = CostModel([(1, 1.0), (2, 1.05), (3, 3.0), (64, 70.0)]), CostModel([(1, 0.01), (64, 0.02)])
+    monkeypatch.setattr(CostModel, "cached", classmethod(
+        lambda cls, runner, key, cache_dir=None: draft if key.startswith("draft-") else curve))
+    monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": "open")
+    llm = LLM(dirs["target"], dtype="float64", speculative_algorithm="AUTO", speculative_draft_model_path=dirs["small"],
+              speculative_num_draft_tokens=4, speculative_window="cost", page_size=4)
+    eng, inner = llm.engine, llm.engine.drafter.learned
+    assert eng.policy.draft_pays(1, 4) and not eng.policy.draft_pays(4, 4)
+    tokens = {"forward": 0, "drafted": 0}
+    real_fwd, real_propose = inner.runner.forward, inner.propose
+    monkeypatch.setattr(inner.runner, "forward", lambda pts, starts, ids, *a, **k: tokens.update(
+        forward=tokens["forward"] + sum(map(len, ids))) or real_fwd(pts, starts, ids, *a, **k))
+    monkeypatch.setattr(inner, "propose", lambda reqs, w: (p := real_propose(reqs, w)) and tokens.update(
+        drafted=tokens["drafted"] + sum(map(len, p.tokens))) or p)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(97) for _ in range(9)] for _ in range(4)] + [[3, 4, 5, 6, 7] * 3]
+    sp = SamplingParams(temperature=0, max_tokens=20)
+    reqs = drive(llm, [(0, p, sp) for p in prompts[:4]])
+    assert tokens == {"forward": 0, "drafted": 0}
+    assert any(r.draft_source == "lookup" for r in reqs)  # skipped requests keep the free lookups
+    reqs += drive(llm, [(0, prompts[4], sp)])
+    assert tokens["forward"] >= len(prompts[4]) and tokens["drafted"] > 0
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == reference_greedy(eng.model, p, sp.max_tokens)
+    assert_no_leak(eng)

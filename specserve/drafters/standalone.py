@@ -42,6 +42,7 @@ class _DraftState:
     slot: int | None = None  # hybrid draft models: state after positions [0, done)
     snaps: dict[int, RowStates] = field(default_factory=dict)  # position → state after it, this round
     cached: int = 0  # leading pages of page_table in the prefix cache
+    off: bool = False  # skipped: never drafted for, no state built
 
 
 class StandaloneDrafter(Drafter):
@@ -74,13 +75,22 @@ class StandaloneDrafter(Drafter):
 
     def _st(self, req: Request) -> _DraftState:
         st = self.state.setdefault(req.request_id, _DraftState())
-        if self.runner.states is not None and st.slot is None and self.runner.states.num_free:
+        if self.runner.states is not None and st.slot is None and not st.off and self.runner.states.num_free:
             st.slot, st.done = self.runner.states.alloc(), 0  # a fresh slot: catch up from the start
         return st
 
     def _ready(self, st: _DraftState) -> bool:
-        """A hybrid draft model drafts only for requests holding a state slot (else: plain decoding)."""
-        return self.runner.states is None or st.slot is not None
+        """A hybrid draft model drafts only for requests holding a state slot (else: plain decoding); nobody
+        drafts for a skipped request."""
+        return not st.off and (self.runner.states is None or st.slot is not None)
+
+    def skip(self, req: Request) -> bool:
+        st = self.state.setdefault(req.request_id, _DraftState())
+        # NOTE: a request whose prefill this drafter already began keeps drafting (that forward is paid for);
+        # pages taken from the prefix cache cost nothing
+        if st.done == st.cached * self.kv.page_size:
+            st.off = True
+        return st.off
 
     def _states(self, sts: list[_DraftState], keep_rows: bool) -> StateBatch | None:
         pool = self.runner.states

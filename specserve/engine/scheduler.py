@@ -44,6 +44,11 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    @property
+    def batch_ahead(self) -> int:
+        """The decode batch the running requests are heading for: those running, and those waiting to be admitted."""
+        return min(len(self.running) + len(self.waiting), self.max_running)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

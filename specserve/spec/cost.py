@@ -226,7 +226,7 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
     `gains[b][j]`: P(positions 1..j+1 accepted) (from `accept_curves`); default α_b^{j+1}, α_b from
     acceptance_estimate from `trials`.
     Returns the windows and the curves' predicted step time for them (without `per_request`)."""
-    alphas = [min(acceptance_estimate(r, trials), 0.999) for r in reqs]
+    alphas = [min(acceptance_estimate(r, trials), 0.999) for r in reqs] if gains is None else []
     over = per_request if isinstance(per_request, list) else [per_request] * len(reqs)
 
     def gain(b: int, j: int) -> float:

@@ -73,6 +73,12 @@ class WindowPolicy(ABC):
     def plan(self, reqs: list[Request], limits: list[int]) -> list[int]:
         return list(limits)
 
+    def draft_pays(self, batch: int, k: int) -> bool:
+        """Would a request admitted into `batch` running ones draft from the drafter's costliest source (windows
+        ≤ k)? False: a draft model skips building its state for it (its prefill is a forward of its own).
+        Default: True (the policy drafts whatever the batch)."""
+        return True
+
     def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
         return windows
 
@@ -199,6 +205,22 @@ class CostPolicy(WindowPolicy):
         if self.empty_plans[b] >= self.IDLE_AFTER:  # NOTE: arm and draft_predicted stay None/0 while skipping
             self.skip[b] = self.IDLE_STEPS
         return plan
+
+    def draft_pays(self, batch: int, k: int) -> bool:
+        """The cost model's plan for `batch` requests like those seen so far (the source's pooled acceptance,
+        its measured cost per drafting request) drafts for one of them, and the gate has not measured the
+        source slower than plain decoding at that size. NOTE: the 1.5B Q4_K_M target with its 0.5B draft, 2
+        cores: a draft position pays up to batch 4, none at batch 8 (t(16) = 1.6 t(8)), where prefilling the
+        draft for the prompts alone cost AUTO 12% of plain's time (chat and code prompts, 32 new tokens)."""
+        source = self.drafter.sources[-1]
+        if self.draft_gate.loses(batch, source):
+            return False
+        pa, pt = self.trials.pooled.get(source, (0, 0))
+        a = min((pa + 1) / (pt + 2), 0.999)
+        gains = [[a ** (j + 1) for j in range(k)]] * batch
+        over = [max(0.0, self.draft_cost.per_request.get(source, 0.0))] * batch
+        plan, _ = cost_windows([None] * batch, [k] * batch, self.cost_model, self.draft_cost_model, over, gains)
+        return any(plan)
 
     def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
         if not self.whole:

@@ -189,8 +189,10 @@ class Engine:
                 self.prefix.insert(r)
         if self.drafter:
             items = [((r, s, n), x) for ((r, n), (_, x)), s in zip(done, starts)]
-            if items and not self.policy.draft_pays(self.scheduler.batch_ahead, self.num_draft_tokens):
-                items = [it for it in items if not self.drafter.skip(it[0][0])]  # e.g. a draft model's own prefill
+            # NOTE: a draft model's prefill is a forward of its own: skipped where the policy would not draft
+            if getattr(self.drafter, "runner", None) is not None and items and not self.policy.draft_pays(
+                    self.scheduler.batch_ahead, self.num_draft_tokens):
+                items = [it for it in items if not self.drafter.skip(it[0][0])]
             isolate(lambda it: self.drafter.prefill([c for c, _ in it], [x for _, x in it] if aux else None)
                     or [None] * len(it), items, lambda it, e: self._fail_exc(it[0][0], "drafter prefill", e))
         firsts = [(r, row) for (r, _), (row, _) in done if row is not None and not r.finished]

@@ -108,12 +108,6 @@ class DraftGate:
         wait[source][0] = since + 1
         return "closed"
 
-    def loses(self, batch: int, source: str) -> bool:
-        """Measured slower than plain decoding at this batch size (no state changes: a query)."""
-        st = self.stats.get(self.bucket(batch))
-        arm = st.get(source) if st else None
-        return bool(arm and arm.n >= self.warmup and st["plain"].n >= self.warmup and arm.loses_to(st["plain"], self.z))
-
     def _remeasure_plain(self, st: dict, source: str, arm: Arm) -> str:
         """An open source: "closed" on the step that measures plain decoding again, else "open". Plain decoding is
         re-measured after `explore` steps; after each re-measurement that finds the source faster by more than

@@ -204,3 +204,22 @@ def test_forced_amx_runs_or_fails_loudly() -> None:
     else:
         with pytest.raises(RuntimeError, match="AMX"):
             torch.ops.specserve.qgemm(x, *w, 16, 4, AMX)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("bits,has_m", [(4, True), (8, False)])
+def test_a_nan_or_inf_activation_makes_its_row_nan(bad: float, bits: int, has_m: bool) -> None:
+    """A non-finite activation makes its row of an integer GEMM all NaN on every path (so the engine fails that
+    request instead of emitting tokens from 0 logits), as the reference does; other rows stay bit-equal."""
+    M, K, N = 20, 576, 40  # 20 rows: a full AMX chunk where the CPU has AMX
+    q, d, m = _weights(N, K, bits, has_m)
+    x = _acts(M, K)
+    x[3, 100] = bad
+    ref, want = quantize_act_ref(x), qgemm_ref(x, q, d, m)
+    assert torch.isnan(ref[1][3, 3]) and int(torch.isnan(ref[1]).sum()) == 1 and torch.isnan(want[3]).all()
+    rest = [r for r in range(M) if r != 3]
+    for impl in _available_paths():
+        for a, b in zip(torch.ops.specserve.quantize_act(x, impl), ref):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), impl
+        y = torch.ops.specserve.qgemm(x, *pack(q, d, m, bits), N, bits, impl)
+        assert torch.isnan(y[3]).all() and torch.equal(y[rest], want[rest]), impl

@@ -5,7 +5,8 @@ Numerics (NOTE: invariants the kernel and these functions share):
 - weights: blocks of 32 along K; codes q (4-bit 0..15, or int8), fp32 scale d, optional fp32 offset m:
   w = d·q (+ m). Q4_0 is q' = q − 8 re-expressed as m = −8·d; Q4_1/Q4_K carry m; Q8_0 has none.
 - activations, per token per block of 32: amax = max|x|; d_a = amax/127 and q_a = round_half_even(x·(127/amax))
-  clamped to ±127; a block with amax < 2^-100 is all zeros with d_a = 0. sa = d_a·float(Σ q_a).
+  clamped to ±127; a block with amax < 2^-100 is all zeros with d_a = 0; a block holding NaN/Inf is all zeros
+  with d_a = NaN. sa = d_a·float(Σ q_a).
 - y[m, n]: acc = 0; for b = 0..nb-1: acc = acc + (d_w·d_a)·float(isum_b); then acc = acc + m_w·sa when m exists.
   isum is exact int32; every float op is one IEEE fp32 mul or add (no FMA), in block order. Rows and columns
   never mix, so the result of a row does not depend on M, N, threads or the SIMD path.
@@ -41,6 +42,8 @@ def quantize_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     inv = torch.where(ok, torch.full_like(amax, 127.0) / torch.where(ok, amax, one), torch.zeros_like(amax))
     q = torch.round(xb * inv[..., None]).clamp(-127, 127)
     d = torch.where(ok, amax / torch.full_like(amax, 127.0), torch.zeros_like(amax))
+    bad = ~torch.isfinite(xb).all(-1)  # a NaN/Inf block: codes 0, d_a NaN (the row's outputs are NaN)
+    q, d = q.masked_fill(bad[..., None], 0), d.masked_fill(bad, float("nan"))
     s = q.sum(-1)  # exact: at most 32·127
     return q.to(torch.int8).reshape(M, K), d, d * s, s.to(torch.int32)
 

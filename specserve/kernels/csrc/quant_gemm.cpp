@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <cstdlib>
 #include <algorithm>
 #include <string>
@@ -41,6 +42,11 @@ constexpr int MR = 8;    // rows sharing one pass over a weight tile
 constexpr int64_t PF_TILES = 4;
 // Blocks with amax below this quantize to zero (d_a = 0): 127/amax would overflow to inf.
 constexpr float TINY = 0x1p-100f;
+// NOTE: a block holding a NaN or Inf gets d_a = NaN (codes 0), so every output of its row is NaN and the
+// engine fails that request; max() drops NaN, and an all-zero block would turn the fault into 0 logits.
+inline float act_scale(float amax, bool finite) {
+  return !finite ? std::numeric_limits<float>::quiet_NaN() : amax >= TINY ? amax / 127.f : 0.f;
+}
 
 // ---- activation quantization (portable) --------------------------------------------------------
 void quantize_rows_portable(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum) {
@@ -48,16 +54,17 @@ void quantize_rows_portable(const float* x, int64_t M, int64_t K, int8_t* q, flo
   for (int64_t i = 0; i < M * nb; ++i) {
     const float* xb = x + i * QK;
     float amax = 0.f;
-    for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
-    const float id = amax >= TINY ? 127.f / amax : 0.f;
+    bool finite = true;
+    for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(xb[j])), finite = finite && std::isfinite(xb[j]);
+    const float id = finite && amax >= TINY ? 127.f / amax : 0.f;
     int32_t s = 0;
     for (int j = 0; j < QK; ++j) {
-      float r = std::nearbyint(xb[j] * id);  // default rounding mode: half to even
+      float r = finite ? std::nearbyint(xb[j] * id) : 0.f;  // default rounding mode: half to even
       r = std::fmin(std::fmax(r, -127.f), 127.f);
       q[i * QK + j] = static_cast<int8_t>(r);
       s += static_cast<int32_t>(r);
     }
-    d[i] = amax >= TINY ? amax / 127.f : 0.f;
+    d[i] = act_scale(amax, finite);
     sum[i] = s;
     sa[i] = d[i] * static_cast<float>(s);
   }
@@ -110,10 +117,15 @@ VNNI_TARGET void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int8_t
   const int64_t nb = K / QK;
   for (int64_t i = 0; i < M * nb; ++i) {
     const float* xb = x + i * QK;
-    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     const __m512 a = _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1));
     const float amax = _mm512_reduce_max_ps(a);  // max is exact in any order
-    const float id = amax >= TINY ? 127.f / amax : 0.f;
+    // NaN/Inf: |x| ≤ FLT_MAX fails (an ordered compare is false for NaN)
+    const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
+    const bool finite = (_mm512_cmp_ps_mask(_mm512_abs_ps(x0), big, _CMP_LE_OQ) &
+                         _mm512_cmp_ps_mask(_mm512_abs_ps(x1), big, _CMP_LE_OQ)) == 0xFFFF;
+    if (!finite) x0 = x1 = _mm512_setzero_ps();  // codes 0 (NaN·0 would convert to -127)
+    const float id = finite && amax >= TINY ? 127.f / amax : 0.f;
     const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
     // cvtps rounds with MXCSR (half to even), as nearbyint does.
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x0, vid), lo), hi));
@@ -121,7 +133,7 @@ VNNI_TARGET void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int8_t
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK + 16), _mm512_cvtsepi32_epi8(q1));
     const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    d[i] = amax >= TINY ? amax / 127.f : 0.f;
+    d[i] = act_scale(amax, finite);
     sum[i] = s;
     sa[i] = d[i] * static_cast<float>(s);
   }

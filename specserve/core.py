@@ -146,6 +146,9 @@ class Request:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     spec_decode_steps: int = 0  # decode steps, with or without drafts (mean window = draft_tokens / steps)
     draft_source: str = "draft"  # which of the drafter's `sources` drafts for it this step (HYBRID: lookup/learned)
+    #: a draft model neither prefills nor drafts for it (where the `cost` policy would not draft); cleared when
+    #: drafting pays again, then the draft model catches up on the whole context at its next propose
+    draft_off: bool = False
 
     @property
     def all_ids(self) -> list[int]:

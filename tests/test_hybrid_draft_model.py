@@ -101,7 +101,8 @@ def test_draft_model_skips_its_prefill_where_drafting_does_not_pay(dirs: dict[st
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """`cost` windows: verifying is cheap up to 2 tokens and dear beyond, so a draft position pays at batch 1
     only. Requests admitted towards a batch of 4 never run the draft model (no prefill forward, no drafts,
-    lookups still drafted); a request alone afterwards does; every output is the target's greedy one."""
+    lookups still drafted); a request alone afterwards does, and so does one of the batch once it runs alone
+    with enough tokens left; every output is the target's greedy one."""
     from specserve.spec.cost import CostModel
     from specserve.spec.gate import DraftGate
 
@@ -121,12 +122,22 @@ def test_draft_model_skips_its_prefill_where_drafting_does_not_pay(dirs: dict[st
         drafted=tokens["drafted"] + sum(map(len, p.tokens))) or p)
     rng = random.Random(5)
     prompts = [[rng.randrange(97) for _ in range(9)] for _ in range(4)] + [[3, 4, 5, 6, 7] * 3]
-    sp = SamplingParams(temperature=0, max_tokens=20)
+    sp = SamplingParams(temperature=0, max_tokens=8)  # < the context: never worth the draft model's catch-up
     reqs = drive(llm, [(0, p, sp) for p in prompts[:4]])
     assert tokens == {"forward": 0, "drafted": 0}
-    assert any(r.draft_source == "lookup" for r in reqs)  # skipped requests keep the free lookups
+    assert all(r.draft_off and r.draft_source == "lookup" for r in reqs)  # off: HYBRID's free lookups only
     reqs += drive(llm, [(0, prompts[4], sp)])
     assert tokens["forward"] >= len(prompts[4]) and tokens["drafted"] > 0
     for p, r in zip(prompts, reqs):
         assert r.output_ids == reference_greedy(eng.model, p, sp.max_tokens)
+    assert_no_leak(eng)
+    # the draft model is back once the batch shrinks to where it pays, for a request with tokens enough left:
+    # it catches up on the whole context, then drafts
+    tokens.update(forward=0, drafted=0)
+    long = SamplingParams(temperature=0, max_tokens=30)
+    plan = [(0, p, SamplingParams(temperature=0, max_tokens=3) if i else long) for i, p in enumerate(prompts[:4])]
+    reqs = drive(llm, plan)
+    assert tokens["forward"] >= len(prompts[0]) and tokens["drafted"] > 0 and not reqs[0].draft_off
+    for (_, p, s), r in zip(plan, reqs):
+        assert r.output_ids == reference_greedy(eng.model, p, s.max_tokens)
     assert_no_leak(eng)

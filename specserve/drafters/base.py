@@ -59,12 +59,6 @@ class Drafter(ABC):
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         """(request, start, num_tokens) target prefill chunks just run. Default: nothing to build."""
 
-    def skip(self, req: Request) -> bool:
-        """Never draft for req: True when its draft-side state is then not built at all (a draft model: no
-        prefill forward of its own for it; req decodes plainly, or from free sources such as HYBRID's lookup);
-        False: the drafter must see every prefill chunk. Called before req's prefill chunks reach `prefill`."""
-        return False
-
     @abstractmethod
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
         """Draft at most window[b] tokens for reqs[b] (fewer, even zero, is always allowed)."""

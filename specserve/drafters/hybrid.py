@@ -34,19 +34,12 @@ class HybridDrafter(Drafter):
         self.drafts_whole_window = learned.drafts_whole_window
         self.runner = getattr(learned, "runner", None)  # a draft model's runner: `cost` prices its forwards
         self.lookup = RequestLookups(min_match, max_match)
-        self.lookup_only: set[str] = set()  # request ids the inner drafter skipped
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         self.learned.prefill(chunks, feats)
 
-    def skip(self, req: Request) -> bool:
-        if self.learned.skip(req):  # then lookups are its only drafts
-            self.lookup_only.add(req.request_id)
-            return True
-        return False
-
     def draft_source(self, req: Request) -> str:
-        return "lookup" if req.request_id in self.lookup_only or self.lookup(req, 1) else "learned"
+        return "lookup" if req.draft_off or self.lookup(req, 1) else "learned"  # draft_off: the draft model's off
 
     def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
         # NOTE: the engine set r.draft_source = draft_source(r) this step, on the same committed context
@@ -63,7 +56,6 @@ class HybridDrafter(Drafter):
 
     def release(self, req: Request) -> None:
         self.lookup.release(req)
-        self.lookup_only.discard(req.request_id)
         self.learned.release(req)
 
     def use_prefix_cache(self) -> None:

@@ -42,7 +42,6 @@ class _DraftState:
     slot: int | None = None  # hybrid draft models: state after positions [0, done)
     snaps: dict[int, RowStates] = field(default_factory=dict)  # position → state after it, this round
     cached: int = 0  # leading pages of page_table in the prefix cache
-    off: bool = False  # skipped: never drafted for, no state built
 
 
 class StandaloneDrafter(Drafter):
@@ -75,22 +74,14 @@ class StandaloneDrafter(Drafter):
 
     def _st(self, req: Request) -> _DraftState:
         st = self.state.setdefault(req.request_id, _DraftState())
-        if self.runner.states is not None and st.slot is None and not st.off and self.runner.states.num_free:
+        if self.runner.states is not None and st.slot is None and not req.draft_off and self.runner.states.num_free:
             st.slot, st.done = self.runner.states.alloc(), 0  # a fresh slot: catch up from the start
         return st
 
-    def _ready(self, st: _DraftState) -> bool:
-        """A hybrid draft model drafts only for requests holding a state slot (else: plain decoding); nobody
-        drafts for a skipped request."""
-        return not st.off and (self.runner.states is None or st.slot is not None)
-
-    def skip(self, req: Request) -> bool:
-        st = self.state.setdefault(req.request_id, _DraftState())
-        # NOTE: a request whose prefill this drafter already began keeps drafting (that forward is paid for);
-        # pages taken from the prefix cache cost nothing
-        if st.done == st.cached * self.kv.page_size:
-            st.off = True
-        return st.off
+    def _ready(self, req: Request, st: _DraftState) -> bool:
+        """Not for a request the engine turned the draft model off for (req.draft_off); a hybrid draft model
+        drafts only for requests holding a state slot (else: plain decoding)."""
+        return not req.draft_off and (self.runner.states is None or st.slot is not None)
 
     def _states(self, sts: list[_DraftState], keep_rows: bool) -> StateBatch | None:
         pool = self.runner.states
@@ -113,7 +104,7 @@ class StandaloneDrafter(Drafter):
         todo = []
         for req, start, n in chunks:
             st = self._st(req)
-            if st.done != start or not self._ready(st):
+            if st.done != start or not self._ready(req, st):
                 continue  # out of step (e.g. after a draft OOM): propose catches up lazily
             try:
                 self.kv.ensure(st.page_table, start + n)
@@ -156,7 +147,7 @@ class StandaloneDrafter(Drafter):
         active = []
         for b, (req, w) in enumerate(zip(reqs, window)):
             st = self._st(req)
-            if w <= 0 or not self._ready(st):
+            if w <= 0 or not self._ready(req, st):
                 continue
             try:
                 self.kv.ensure(st.page_table, req.seq_len + w - 1)

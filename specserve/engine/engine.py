@@ -189,10 +189,7 @@ class Engine:
                 self.prefix.insert(r)
         if self.drafter:
             items = [((r, s, n), x) for ((r, n), (_, x)), s in zip(done, starts)]
-            # NOTE: a draft model's prefill is a forward of its own: skipped where the policy would not draft
-            if getattr(self.drafter, "runner", None) is not None and items and not self.policy.draft_pays(
-                    self.scheduler.batch_ahead, self.num_draft_tokens):
-                items = [it for it in items if not self.drafter.skip(it[0][0])]
+            self.policy.draft_model_off([c[0] for c, _ in items], self.scheduler.batch_ahead, self.num_draft_tokens)
             isolate(lambda it: self.drafter.prefill([c for c, _ in it], [x for _, x in it] if aux else None)
                     or [None] * len(it), items, lambda it, e: self._fail_exc(it[0][0], "drafter prefill", e))
         firsts = [(r, row) for (r, _), (row, _) in done if row is not None and not r.finished]
@@ -229,6 +226,7 @@ class Engine:
         if self.drafter is None or self.policy.idle(len(reqs)):
             windows = [0] * len(reqs)  # nobody drafts: no draft sources, no plan
         else:
+            self.policy.draft_model_back(reqs, self.num_draft_tokens)
             for r in reqs:
                 r.draft_source = self.drafter.draft_source(r)
             windows = self.policy.plan(reqs, [self._limit(r) for r in reqs])

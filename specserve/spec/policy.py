@@ -73,11 +73,13 @@ class WindowPolicy(ABC):
     def plan(self, reqs: list[Request], limits: list[int]) -> list[int]:
         return list(limits)
 
-    def draft_pays(self, batch: int, k: int) -> bool:
-        """Would a request admitted into `batch` running ones draft from the drafter's costliest source (windows
-        ≤ k)? False: a draft model skips building its state for it (its prefill is a forward of its own).
-        Default: True (the policy drafts whatever the batch)."""
-        return True
+    def draft_model_off(self, reqs: list[Request], batch: int, k: int) -> None:
+        """Before a draft model prefills `reqs` (heading for a `batch`-request decode, windows ≤ k): set
+        req.draft_off where it should not (its prefill is a forward of its own). Default: never."""
+
+    def draft_model_back(self, reqs: list[Request], k: int) -> None:
+        """Before planning a decode step of `reqs`: clear draft_off where the draft model should catch up and draft
+        again. Default: never (nothing is turned off)."""
 
     def cut(self, reqs: list[Request], proposal: Proposal, windows: list[int]) -> list[int]:
         return windows
@@ -205,6 +207,20 @@ class CostPolicy(WindowPolicy):
         if self.empty_plans[b] >= self.IDLE_AFTER:  # NOTE: arm and draft_predicted stay None/0 while skipping
             self.skip[b] = self.IDLE_STEPS
         return plan
+
+    def draft_model_off(self, reqs: list[Request], batch: int, k: int) -> None:
+        if self.draft_cost_model is not None and reqs and not self.draft_pays(batch, k):
+            for r in reqs:
+                r.draft_off = True
+
+    def draft_model_back(self, reqs: list[Request], k: int) -> None:
+        """Back on where drafting pays at this batch size (the batch shrank) for requests with at least as many
+        tokens left to generate as the draft model must catch up on (its forward over the whole context: ~1/3
+        of the target's prefill on the 1.5B pair, where a drafted token saves ~1/5 of a decode step)."""
+        back = [r for r in reqs if r.draft_off and r.params.max_tokens - len(r.output_ids) >= r.seq_len]
+        if back and self.draft_pays(len(reqs), k):
+            for r in back:
+                r.draft_off = False
 
     def draft_pays(self, batch: int, k: int) -> bool:
         """The cost model's plan for `batch` requests like those seen so far (the source's pooled acceptance,

@@ -34,6 +34,7 @@ using specserve_quant::QK;
 using specserve_quant::scale_at;
 #ifdef SPECSERVE_X86
 using specserve_quant::load_scales;
+using specserve_quant::dot_block;
 #endif
 
 constexpr int MR = 8;    // rows sharing one pass over a weight tile
@@ -173,14 +174,7 @@ VNNI_TARGET void gemm_tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, co
     if (HAS_M) mw = load_scales(wm + b * NR);
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
-      const int32_t* qa = reinterpret_cast<const int32_t*>(a.q + m * a.K + b * QK);
-      // two independent chains (integer sums: exact in any order)
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int g = 0; g < 8; g += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(qa[g]));
-        s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(qa[g + 1]));
-      }
-      __m512i s = _mm512_add_epi32(s0, s1);
+      __m512i s = dot_block(w, reinterpret_cast<const int32_t*>(a.q + m * a.K + b * QK));
       if (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.sum[m * nb + b]));
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[m * nb + b]));
       acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(s)));

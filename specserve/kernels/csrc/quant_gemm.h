@@ -29,6 +29,18 @@ struct Acts {  // one quantized activation matrix: q [M, K] int8, d/sa/sum [M, n
 inline float scale_at(const float* p, int64_t i) { return p[i]; }
 inline float scale_at(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
 #if defined(__x86_64__)
+// One 32-code block of 16 columns against one activation block: Σ_g dpbusd(w[g], qa[g]) over its 8 dword
+// groups, in two independent chains (integer sums: exact in any order).
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i dot_block(const __m512i* w,
+                                                                                    const int32_t* qa) {
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int g = 0; g < 8; g += 2) {
+    s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(qa[g]));
+    s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(qa[g + 1]));
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+
 __attribute__((target("avx512f"), always_inline)) inline __m512 load_scales(const float* p) {
   return _mm512_loadu_ps(p);
 }

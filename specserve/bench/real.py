@@ -56,8 +56,7 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
         llm = Llama(model_path=cfg["path"], n_ctx=4096, n_threads=cfg["threads"], verbose=False)
         load = time.perf_counter() - t0
 
-        def gen(ids: list[int], n: int) -> list[int]:
-            llm.reset()
+        def gen(ids: list[int], n: int) -> list[int]:  # reuses the longest prefix it holds, as specserve does
             out = []
             for tok in llm.generate(ids, temp=0.0, reset=True):
                 out.append(int(tok))
@@ -82,7 +81,7 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
             stats["accepted"] += o.meta_info.get("spec_accepted_tokens", 0)
             return list(o.token_ids)
         weight_bytes = streamed_weight_bytes(llm.engine.model)
-    gen(cfg["prompts"][0], 8)  # warm-up
+    gen(cfg["warmup"], 8)  # shares no prefix with the prompts: both engines prefill each prompt cold
     if cfg["name"] != "llama.cpp":
         stats.update(verify=0, accepted=0)
     outs, t = [], time.perf_counter()
@@ -148,7 +147,7 @@ def run(a: argparse.Namespace) -> dict:
         args = {} if name == "llama.cpp" else vars(config_args(a, name, "--configs")[0])
         cfg = {"name": name, "path": path, "args": {k: v for k, v in args.items() if not callable(v)},
                "threads": threads, "prompts": prompts,
-               "new_tokens": a.max_new_tokens, "prefill": filler[: a.prefill_tokens] if a.prefill_tokens else [],
+               "warmup": tok.encode("Say hello.", add_special_tokens=False), "new_tokens": a.max_new_tokens, "prefill": filler[: a.prefill_tokens] if a.prefill_tokens else [],
                "file_weight_bytes": file_weight_bytes(path)}
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         p = subprocess.run([sys.executable, str(Path(__file__).resolve())], input=json.dumps(cfg), text=True,

@@ -167,17 +167,20 @@ class AcceptTrials:
         self.per_request.pop(request_id, None)
 
 
-def acceptance_estimate(r: Request, trials: AcceptTrials | None = None) -> float:
+def acceptance_estimate(r: Request, trials: AcceptTrials | None = None, optimism: float = 0.0) -> float:
     """Per-position acceptance of the source drafting for r this step: accepted drafts / positions tested
     (`trials`; Beta(1, 1) without them), shrunk towards that source's rate over all requests. NOTE: a new
     request is judged by what its source achieved so far, not by a blind 0.5: prompt lookups are accepted
     ~0.8 of the time here, and a 0.5 prior cut the first windows of every request. Per source, so HYBRID's
-    lookups are not judged by its learned drafter's record."""
+    lookups are not judged by its learned drafter's record.
+    `optimism` z: plus z standard deviations of the source's pooled rate (its Beta posterior), an upper
+    confidence bound that shrinks as the source is tested (`cost_windows`' planning)."""
     own = trials.per_request.get(r.request_id, {}) if trials else {}
     accepted, tested = own.get(r.draft_source, (0, 0))
     pa, pt = trials.pooled.get(r.draft_source, (0, 0)) if trials else (0, 0)
     prior = (pa + 1) / (pt + 2)
-    return (accepted + POOLED_WEIGHT * prior) / (tested + POOLED_WEIGHT)
+    bonus = optimism * (prior * (1 - prior) / (pt + 3)) ** 0.5
+    return min((accepted + POOLED_WEIGHT * prior) / (tested + POOLED_WEIGHT) + bonus, 0.999)
 
 
 @dataclass
@@ -218,15 +221,15 @@ def step_time(cost: CostModel, draft_step: CostModel | None, n_tokens: int, acti
 
 def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_step: CostModel | None = None,
                  per_request: float | list[float] = 0.0, gains: list[list[float]] | None = None,
-                 trials: AcceptTrials | None = None) -> tuple[list[int], float]:
+                 trials: AcceptTrials | None = None, optimism: float = 0.0) -> tuple[list[int], float]:
     """Greedy maximisation of expected tokens per second (module docstring; exact for one request). With `draft_step`
     (a model drafter's forward time over m tokens), a step also pays draft_step(#drafting) for each
     draft position up to the longest window, since model drafters draft position by position;
     `per_request` (DraftCost: one value, or one per request) is charged for every drafting request.
     `gains[b][j]`: P(positions 1..j+1 accepted) (from `accept_curves`); default α_b^{j+1}, α_b from
-    acceptance_estimate from `trials`.
+    acceptance_estimate from `trials` (raised by `optimism` standard deviations).
     Returns the windows and the curves' predicted step time for them (without `per_request`)."""
-    alphas = [min(acceptance_estimate(r, trials), 0.999) for r in reqs] if gains is None else []
+    alphas = [acceptance_estimate(r, trials, optimism) for r in reqs] if gains is None else []
     over = per_request if isinstance(per_request, list) else [per_request] * len(reqs)
 
     def gain(b: int, j: int) -> float:

@@ -120,16 +120,7 @@ class Engine:
     # ---- requests ----
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         params.validate(self.model.cfg.vocab_size)
-        if not prompt_ids:
-            raise ValueError("prompt: empty prompt (no tokens)")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.model.cfg.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {self.model.cfg.vocab_size})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(prompt_ids)} tokens leave no room to generate in the context of "
-                             f"{self.max_model_len} tokens (--max-model-len)")
-        if self.kv.pages_needed([], len(prompt_ids) + 1) > self.kv.allocator.num_pages:
-            raise ValueError(f"prompt: {len(prompt_ids)} tokens do not fit the KV pool "
-                             f"({self.kv.num_slots} slots); raise --kv-cache-memory")
+        self.scheduler.check_prompt(prompt_ids, self.model.cfg.vocab_size, self.max_model_len)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already running")

@@ -41,6 +41,19 @@ class Scheduler:
         self.running: list[Request] = []
         self.on_release: Callable[[Request], None] | None = None  # drafter state of a preempted request
 
+    def check_prompt(self, prompt_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+        """A prompt that could never run: ValueError naming what is wrong (the server's HTTP 400)."""
+        if not prompt_ids:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
+        if len(prompt_ids) >= max_model_len:
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens leave no room to generate in the context of "
+                             f"{max_model_len} tokens (--max-model-len)")
+        if self.kv.pages_needed([], len(prompt_ids) + 1) > self.kv.allocator.num_pages:
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens do not fit the KV pool "
+                             f"({self.kv.num_slots} slots); raise --kv-cache-memory")
+
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 

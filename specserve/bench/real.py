@@ -146,8 +146,8 @@ def run(a: argparse.Namespace) -> dict:
     for name in a.configs:
         args = {} if name == "llama.cpp" else vars(config_args(a, name, "--configs")[0])
         cfg = {"name": name, "path": path, "args": {k: v for k, v in args.items() if not callable(v)},
-               "threads": threads, "prompts": prompts,
-               "warmup": tok.encode("Say hello.", add_special_tokens=False), "new_tokens": a.max_new_tokens, "prefill": filler[: a.prefill_tokens] if a.prefill_tokens else [],
+               "threads": threads, "prompts": prompts, "warmup": tok.encode("Say hello.", add_special_tokens=False),
+               "new_tokens": a.max_new_tokens, "prefill": filler[: a.prefill_tokens] if a.prefill_tokens else [],
                "file_weight_bytes": file_weight_bytes(path)}
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         p = subprocess.run([sys.executable, str(Path(__file__).resolve())], input=json.dumps(cfg), text=True,

@@ -2,7 +2,8 @@
 on the same prompts, in one run, with HF transformers / llama.cpp baselines where installed.
 
 Configurations are interleaved batch by batch to cancel machine drift. Greedy, ignore_eos, a fixed
-number of new tokens per request, so every configuration produces the same token count.
+number of new tokens per request, so every configuration produces the same token count. Every batch is prefilled
+cold (the prefix cache is emptied before it): `bench prefix` measures the cache.
 """
 from __future__ import annotations
 
@@ -140,7 +141,9 @@ def run(a: argparse.Namespace) -> dict:
         for batch in tqdm(batches, desc=f"batch {bs}", leave=False):
             ref = None
             for name, llm in engines.items():
-                t = time.perf_counter()
+                if llm.engine.kv.prefix_cache is not None:  # NOTE: every batch prefills cold, as llama.cpp's
+                    llm.engine.kv.prefix_cache.clear()      # (reset per prompt): no hit from the warm-up or
+                t = time.perf_counter()                     # an earlier batch size's run of the same prompts
                 outs = llm.generate(batch, sp)
                 toks = [o.token_ids for o in outs]
                 if ref is not None and toks != ref:

@@ -177,10 +177,16 @@ def acceptance_estimate(r: Request, trials: AcceptTrials | None = None, optimism
     confidence bound that shrinks as the source is tested (`cost_windows`' planning)."""
     own = trials.per_request.get(r.request_id, {}) if trials else {}
     accepted, tested = own.get(r.draft_source, (0, 0))
-    pa, pt = trials.pooled.get(r.draft_source, (0, 0)) if trials else (0, 0)
-    prior = (pa + 1) / (pt + 2)
-    bonus = optimism * (prior * (1 - prior) / (pt + 3)) ** 0.5
+    prior, bonus = pooled_acceptance(trials, r.draft_source, optimism)
     return min((accepted + POOLED_WEIGHT * prior) / (tested + POOLED_WEIGHT) + bonus, 0.999)
+
+
+def pooled_acceptance(trials: AcceptTrials | None, source: str, optimism: float = 0.0) -> tuple[float, float]:
+    """A source's acceptance over all requests (the mean of its Beta(1, 1) posterior), and `optimism` standard
+    deviations of that posterior."""
+    pa, pt = trials.pooled.get(source, (0, 0)) if trials else (0, 0)
+    prior = (pa + 1) / (pt + 2)
+    return prior, optimism * (prior * (1 - prior) / (pt + 3)) ** 0.5
 
 
 @dataclass

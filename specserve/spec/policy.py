@@ -29,7 +29,8 @@ from .. import kernels
 from ..config import EngineConfig
 from ..core import Proposal, Request
 from ..models import fused
-from .cost import AcceptTrials, CostModel, DraftCost, acceptance_estimate, cost_windows, draft_time
+from .cost import (AcceptTrials, CostModel, DraftCost, acceptance_estimate, cost_windows, draft_time,
+                   pooled_acceptance)
 from .gate import DraftGate
 
 if TYPE_CHECKING:
@@ -237,8 +238,7 @@ class CostPolicy(WindowPolicy):
         (asking it shut the draft model off at batch 1 after a few noisy steps: AUTO + draft 1.56x llama.cpp in
         one run of `bench real` on the 1.5B pair, 1.80x in the next without it)."""
         source = self.drafter.sources[-1]
-        pa, pt = self.trials.pooled.get(source, (0, 0))
-        a = min((pa + 1) / (pt + 2), 0.999)
+        a = min(pooled_acceptance(self.trials, source)[0], 0.999)  # NOTE: the mean, not `plan`'s upper bound
         gains = [[a ** (j + 1) for j in range(k)]] * batch
         over = [max(0.0, self.draft_cost.per_request.get(source, 0.0))] * batch
         plan, _ = cost_windows([None] * batch, [k] * batch, self.cost_model, self.draft_cost_model, over, gains)

@@ -97,7 +97,7 @@ def wait_for(pred: Callable[[], bool], timeout: float, what: str, procs: list[Pr
         try:
             if pred():
                 return
-        except httpx.HTTPError:  # not listening yet
+        except (httpx.HTTPError, ValueError):  # not listening yet, or an empty body while it starts
             pass
         time.sleep(0.02)
     raise AssertionError(f"no {what} after {timeout:.0f} s\n" + "\n".join(p.tail() for p in procs))

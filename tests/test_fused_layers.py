@@ -239,8 +239,8 @@ def test_bf16_pool_under_fp32_queries(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("mode", ["w4a8", "w8a8"])
 def test_cpp_layer_loop_bit_identical_to_python_loop(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The C++ layer loop (decoder_layers) runs the Python fused loop's ops in its order: logits and captured
-    hidden states equal bit for bit, for a prefill, a ragged verify and a tree verify. Models with a qkv bias
-    (qwen2) or q/k norms (qwen3) keep the Python loop."""
+    hidden states equal bit for bit, for a prefill, a ragged verify and a tree verify, with and without a qkv
+    bias (qwen2). Models with q/k norms (qwen3) keep the Python loop."""
     from specserve.models.llama import LlamaModel
     from specserve.models.quant import quantize_model
 
@@ -259,10 +259,10 @@ def test_cpp_layer_loop_bit_identical_to_python_loop(mode: str, monkeypatch: pyt
                                positions=[[s, s + 1, s + 1] for s in starts], masks=masks)
         return out + cap + o2 + c2 + o3
 
-    for arch in ("llama", "qwen2"):
+    for arch in ("llama", "qwen2", "qwen3"):
         model = tiny_model(arch, dtype=torch.float32)
         quantize_model(model, mode)
-        assert (model._layer_stack() is not None) == (arch == "llama")
+        assert (model._layer_stack() is not None) == (arch != "qwen3")
         cpp = run(model)
         monkeypatch.setattr(LlamaModel, "_layer_stack", lambda self: None)
         py = run(model)

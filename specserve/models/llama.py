@@ -247,14 +247,14 @@ class LlamaModel(nn.Module):
 
     def _layer_stack(self) -> tuple[list[torch.Tensor | None], list[int]] | None:
         """The layers' weights flattened for decoder_layers, when every projection is block-quantized and
-        nothing runs between the ops (no qkv bias, q/k norm or tensor-parallel all-reduce); else None.
+        nothing runs between the ops but a qkv bias (no q/k norm or tensor-parallel all-reduce); else None.
         Built at the first forward after the weights are final (quantize_model swaps them in place)."""
         first = self.layers[0].qkv_w
         if self._stack is not None and self._stack[0] is first:
             return self._stack[1]
         stack = None
         names = ("qkv_w", "o_w", "gate_up_w", "down_w")
-        if self.tp is None and all(isinstance(getattr(l, a), BlockQuantWeight) and l.qkv_b is None and l.q_norm is None
+        if self.tp is None and all(isinstance(getattr(l, a), BlockQuantWeight) and l.q_norm is None
                                    and l.tp is None for l in self.layers for a in names):
             weights: list[torch.Tensor | None] = []
             dims: list[int] = []
@@ -265,7 +265,7 @@ class LlamaModel(nn.Module):
                     for wp, wd, wm, n, fmt in segs:
                         weights += [wp, wd, wm]
                         dims += [n, fmt]
-                weights += [layer.input_norm, layer.post_norm]
+                weights += [layer.input_norm, layer.post_norm, layer.qkv_b]
             stack = (weights, dims + [self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim])
         self._stack = (first, stack)
         return stack

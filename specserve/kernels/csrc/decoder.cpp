@@ -3,7 +3,7 @@
 // the same order, so results are bit-identical; what goes away is the interpreter between them (~60 Python-level
 // calls per layer, about a third of a SmolLM2 decode step).
 //
-// Per layer: qkv = qgemm(h); rope_kv_write; paged_attention; x += qgemm(o); h = add_rms_norm(x, ·);
+// Per layer: qkv = qgemm(h) [+ qkv_bias]; rope_kv_write; paged_attention; x += qgemm(o); h = add_rms_norm(x, ·);
 // out = qgemm(silu_mul(qgemm(h))); then the next layer's input norm fused with the residual add (the last
 // layer adds `out` to x and leaves the final norm to the caller).
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -14,7 +14,8 @@
 
 namespace {
 
-// Per layer, weights: qkv, o, gate_up, down as (codes, scales, offsets?) per row segment, then input_norm, post_norm;
+// Per layer, weights: qkv, o, gate_up, down as (codes, scales, offsets?) per row segment, then input_norm, post_norm,
+// qkv_bias? (Qwen2);
 // dims: per projection the segment count S, then (n, fmt) per segment (a fused q|k|v may mix formats: Q4_K | Q6_K).
 constexpr int64_t PROJ = 4;
 
@@ -38,7 +39,7 @@ struct Proj {  // one projection: its segments' tensors and (n, fmt) pairs
   c10::List<c10::optional<at::Tensor>> w;
   std::vector<int64_t> dims;
 };
-struct Layer { Proj p[PROJ]; at::Tensor input_norm, post_norm; };
+struct Layer { Proj p[PROJ]; at::Tensor input_norm, post_norm; c10::optional<at::Tensor> qkv_bias; };
 
 // x: the residual stream [T, H] (updated in place); h = input_norm_0(x). weights, dims: per layer as above, then
 // dims (heads, kv_heads, head_dim). Returns the hidden states after the layers in `capture` (copies: x keeps changing).
@@ -70,9 +71,10 @@ std::vector<at::Tensor> decoder_layers(at::Tensor& x, const at::Tensor& h0, cons
       p.dims.assign(dims.begin() + di, dims.begin() + di + 2 * S);
       di += 2 * S;
     }
-    TORCH_CHECK(wi + 2 <= nw, "decoder_layers: weights too short");
+    TORCH_CHECK(wi + 3 <= nw, "decoder_layers: weights too short");
     l.input_norm = weights.get(wi++).value();
     l.post_norm = weights.get(wi++).value();
+    l.qkv_bias = weights.get(wi++);
   }
   TORCH_CHECK(wi == nw && di == nd - 3, "decoder_layers: ", L, " layers do not use all weights and dims");
   const int64_t nq = dims[nd - 3], nkv = dims[nd - 2], hd = dims[nd - 1], T = x.size(0);
@@ -84,7 +86,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor& x, const at::Tensor& h0, cons
   std::vector<at::Tensor> captured;
   at::Tensor h = h0;
   for (int64_t i = 0; i < L; ++i) {
-    const auto parts = linear(h, i, 0).split_with_sizes({nq * hd, nkv * hd, nkv * hd}, -1);
+    at::Tensor qkv = linear(h, i, 0);
+    if (layers[i].qkv_bias) qkv = qkv + *layers[i].qkv_bias;  // as quant.py's linear(x, w, bias): y + bias
+    const auto parts = qkv.split_with_sizes({nq * hd, nkv * hd, nkv * hd}, -1);
     at::Tensor q = parts[0].view({T, nq, hd});
     const at::Tensor k = parts[1].view({T, nkv, hd}), v = parts[2].view({T, nkv, hd});
     at::Tensor kc = k_caches[i], vc = v_caches[i];

@@ -61,18 +61,18 @@ void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd,
 // (arch_prctl ARCH_REQ_XCOMP_PERM); asked once. False on other CPUs/OSes: callers use the VNNI path.
 bool amx_usable();
 
-// Column tiles [t0, t1) of y[M, n] (row stride n) with AMX, every row. Each block's integer sum is exact
-// int32 and the fp32 epilogue is the VNNI path's, op for op: bit-identical to the other paths.
+// Column tiles [t0, t1) of y[M, n] (row stride n) with AMX, every row, for fmt F4, F8 or K4. Each block's
+// integer sum is exact int32 and the fp32 epilogue is the VNNI path's, op for op: bit-identical to the other paths.
 // NOTE: for M > 16, a.q must hold M rounded up to a multiple of 16 rows (tile loads read whole 16-row chunks;
 // the padding rows' results are never used, whatever they hold). One per scale type (fp32, fp16).
 // y has row stride ldy (a segment of a wider output); n: this weight's columns.
-void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits,
+void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int fmt,
                     float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
-void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int bits,
+void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int fmt,
                     float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
 
 // Column tiles [t0, t1) of the formats F5, K4, K5, K6 (quant_gemm_fmt.cpp), portable or AVX-512-VNNI; same
-// contract as above. NOTE: the AMX path does not take these formats: the op routes them here (VNNI) always.
+// contract as above. NOTE: of these, the AMX path takes K4 only: the op routes F5, K5 and K6 here (VNNI) always.
 void gemm_tiles_fmt(const Acts& a, int64_t M, int fmt, const uint8_t* wp, const float* wd, const float* wm,
                     bool vnni, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
 void gemm_tiles_fmt(const Acts& a, int64_t M, int fmt, const uint8_t* wp, const at::Half* wd, const at::Half* wm,

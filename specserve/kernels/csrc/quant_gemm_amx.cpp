@@ -10,8 +10,10 @@
 // which 16-row chunk holds it, or on threads.
 //
 // Weights are NOT stored a second time: the packed layout already is the tile-B layout (8 rows of K-groups ×
-// 16 columns × 4 bytes). 8-bit codes are tile-loaded in place; 4-bit codes are expanded once per 16-column
-// tile into an L1 scratch (nibbles → bytes 0..15). Activations are tile-loaded in place.
+// 16 columns × 4 bytes). 8-bit codes are tile-loaded in place; 4-bit codes (F4, and Q4_K's: the same nibble
+// planes, 8 blocks per super-block) are expanded once per 16-column tile into an L1 scratch (nibbles → bytes
+// 0..15). Activations are tile-loaded in place. Q4_K's block scales d·sc and −(dmin·mn) are formed in the
+// epilogue from the super-block's fp16 d/dmin and the 6-bit codes, as quant_gemm_fmt.cpp's VNNI path does.
 #include "quant_gemm.h"
 
 #if defined(__x86_64__) && defined(__linux__)
@@ -53,12 +55,19 @@ AMX_TARGET void configure(int R) {
   _tile_loadconfig(&cfg);
 }
 
+// Where block b of a column tile starts: F4 blocks follow each other; Q4_K's sit 8 to a super-block, before its
+// 32 scale-code bytes per block (quant_gemm_fmt.cpp: block_codes / block_subs).
+inline const uint8_t* codes_at(bool kq, const uint8_t* tile, int64_t b) {
+  return kq ? tile + (b >> 3) * sb_bytes(K4) + (b & 7) * code_bytes(K4) : tile + b * code_bytes(F4);
+}
+
 // One column tile's 4-bit codes (nb blocks) → one byte each (0..15) in the same layout (see file comment).
-AMX_TARGET void expand(const uint8_t* src, int64_t nb, uint8_t* dst) {
+AMX_TARGET void expand(const uint8_t* src, int64_t nb, bool kq, uint8_t* dst) {
   const __m512i nib = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b, dst += BLK) {
+    const uint8_t* blk = codes_at(kq, src, b);
     for (int g = 0; g < 4; ++g) {
-      const __m512i v = _mm512_loadu_si512(src + (b * 4 + g) * 64);
+      const __m512i v = _mm512_loadu_si512(blk + g * 64);
       _mm512_store_si512(dst + g * 64, _mm512_and_si512(v, nib));
       _mm512_store_si512(dst + (g + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
     }
@@ -66,14 +75,26 @@ AMX_TARGET void expand(const uint8_t* src, int64_t nb, uint8_t* dst) {
   COMPILER_BARRIER();
 }
 
-// One block's fp32 epilogue for R rows: gemm_tile_vnni's, op for op:
-// scale = d_w·d_a; acc = acc + scale·float(s); acc = acc + m_w·sa.
-template <int R, bool HAS_M, typename S>
+// One block's fp32 epilogue for R rows: gemm_tile_vnni's (KQ: tile_vnni's for Q4_K), op for op:
+// [KQ: d_w = d·sc, m_w = (−dmin)·mn;] scale = d_w·d_a; acc = acc + scale·float(s); acc = acc + m_w·sa.
+// tile: the column tile's packed codes (KQ: its scale codes are read from there).
+template <int R, bool HAS_M, bool KQF, typename S>
 AMX_TARGET __attribute__((always_inline)) inline void epilogue(__m512* acc, const Acts& a, int64_t m0, int64_t b,
-                                                               const S* wd, const S* wm,
+                                                               const S* wd, const S* wm, const uint8_t* tile,
                                                                const int32_t (*s)[NR]) {
-  const __m512 dw = load_scales(wd + b * NR);
-  const __m512 mw = HAS_M ? load_scales(wm + b * NR) : _mm512_setzero_ps();
+  __m512 dw, mw = _mm512_setzero_ps();
+  if constexpr (KQF) {
+    const uint8_t* sub = tile + (b >> 3) * sb_bytes(K4) + 8 * code_bytes(K4) + (b & 7) * 32;
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+    const __m512 msb = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(load_scales(wm + (b >> 3) * NR)), sign));
+    dw = _mm512_mul_ps(load_scales(wd + (b >> 3) * NR),
+                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)))));
+    mw = _mm512_mul_ps(msb, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + NR)))));
+  } else {
+    dw = load_scales(wd + b * NR);
+    if (HAS_M) mw = load_scales(wm + b * NR);
+  }
   for (int r = 0; r < R; ++r) {
     const int64_t i = (m0 + r) * a.nb + b;
     const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i]));
@@ -88,6 +109,7 @@ constexpr int G = 4;  // blocks per group (one C tile each)
 struct TileArgs {
   const int8_t* aq; long lda;  // activations of the chunk's first row, row stride K
   const uint8_t* w;            // this column tile's codes, [nb][8][64] unsigned: expanded nibbles or code + 128
+  const uint8_t* tile;         // the column tile as packed (Q4_K: where its scale codes are)
   const int32_t* corr;         // 8-bit: [rows][nb][16] of −128·Σq_a (the C tiles start there), else null
   long ldc;                    // row stride of corr in bytes
 };
@@ -118,7 +140,7 @@ AMX_TARGET __attribute__((always_inline)) inline void store_group(int cnt, int32
 // multiplies of group g + 1 are issued before the epilogue of group g and their sums stored after it, so the
 // AMX unit and the vector epilogue overlap and the epilogue's loads never queue behind fresh tile stores.
 // Epilogues stay in block order.
-template <int R, bool HAS_M, typename S>
+template <int R, bool HAS_M, bool KQF, typename S>
 AMX_TARGET void rows_amx(const Acts& a, int64_t m0, const TileArgs& t, const S* wd, const S* wm, float* out,
                          int64_t ldo, int64_t ncols) {
   alignas(64) int32_t c[2][G][MT][NR];
@@ -131,18 +153,18 @@ AMX_TARGET void rows_amx(const Acts& a, int64_t m0, const TileArgs& t, const S* 
   for (int64_t b0 = 0, g = 0; b0 < nb; b0 += G, ++g) {
     const int64_t next = b0 + G;
     if (next < nb) multiply_group(t, next, count(next));
-    for (int j = 0; j < count(b0); ++j) epilogue<R, HAS_M, S>(acc, a, m0, b0 + j, wd, wm, c[g & 1][j]);
+    for (int j = 0; j < count(b0); ++j) epilogue<R, HAS_M, KQF, S>(acc, a, m0, b0 + j, wd, wm, t.tile, c[g & 1][j]);
     if (next < nb) store_group(count(next), c[(g + 1) & 1]);
   }
   const __mmask16 mask = ncols >= NR ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
 }
 
-template <bool HAS_M, typename S>
+template <bool HAS_M, bool KQF, typename S>
 void rows_dispatch(int R, const Acts& a, int64_t m0, const TileArgs& w, const S* wd, const S* wm, float* out,
                    int64_t ldo, int64_t ncols) {
   switch (R) {
-#define CASE(N) case N: rows_amx<N, HAS_M, S>(a, m0, w, wd, wm, out, ldo, ncols); break;
+#define CASE(N) case N: rows_amx<N, HAS_M, KQF, S>(a, m0, w, wd, wm, out, ldo, ncols); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
     CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 #undef CASE
@@ -168,17 +190,19 @@ bool amx_usable() {
 namespace {
 template <typename S>
 AMX_TARGET void tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const S* wd, const S* wm,
-                          int bits, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1) {
+                          int fmt, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1) {
   // Row chunks of 16. For M > 16 the tiles stay 16 rows (configured once here; a reconfiguration per chunk
   // costs more than it saves): the last, partial chunk multiplies the zero rows that pad the activations to a
   // multiple of 16 (gemm_tiles_amx's contract) and runs its epilogue for its own rows only. NOTE: it used to
   // recompute a whole chunk ending at M instead (SmolLM2 w4a8 forward, context 300: 17 tokens cost 19.5 ms
   // against 14.5 for 16; padded 17.2-18.0 against 13.9-15.3: the 16-row tile work stays, the epilogue does not).
   const int R = static_cast<int>(std::min<int64_t>(M, MT));
-  const int64_t nb = a.nb, tile_bytes = nb * QK * NR * bits / 8;
+  const bool kq = fmt == K4;
+  const int bits = fmt & 15;
+  const int64_t nb = a.nb, srows = kq ? nb / 8 : nb, tile_bytes = kq ? srows * sb_bytes(K4) : nb * code_bytes(fmt);
   thread_local std::vector<uint8_t> scratch;  // 4-bit: one column tile's expanded codes
   thread_local std::vector<int32_t> corr;     // 8-bit: −128·Σq_a per (row, block), 16 lanes
-  TileArgs t{nullptr, static_cast<long>(a.K), nullptr, nullptr, static_cast<long>(nb * NR * 4)};
+  TileArgs t{nullptr, static_cast<long>(a.K), nullptr, nullptr, nullptr, static_cast<long>(nb * NR * 4)};
   uint8_t* w = nullptr;
   if (bits == 4) {
     scratch.resize(nb * BLK + 64);
@@ -192,33 +216,36 @@ AMX_TARGET void tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const S* 
   configure(R);  // tile configuration is per thread: set it in the thread that multiplies
   for (int64_t tt = t0; tt < t1; ++tt) {
     const uint8_t* tw = wp + tt * tile_bytes;
+    t.tile = tw;
     if (bits == 4) {
-      expand(tw, nb, w);
+      expand(tw, nb, kq, w);
       tw = w;
     }
-    const S* td = wd + tt * nb * NR;
-    const S* tm = wm ? wm + tt * nb * NR : nullptr;
+    const S* td = wd + tt * srows * NR;
+    const S* tm = wm ? wm + tt * srows * NR : nullptr;
     const int64_t ncols = std::min<int64_t>(NR, n - tt * NR);
     for (int64_t m0 = 0; m0 < M; m0 += MT) {
       const int rows = static_cast<int>(std::min<int64_t>(MT, M - m0));
       t.aq = a.q + m0 * a.K;
       t.w = tw;
       t.corr = bits == 8 ? corr.data() + m0 * nb * NR : nullptr;
-      if (tm) rows_dispatch<true, S>(rows, a, m0, t, td, tm, y + m0 * ldy + tt * NR, ldy, ncols);
-      else rows_dispatch<false, S>(rows, a, m0, t, td, tm, y + m0 * ldy + tt * NR, ldy, ncols);
+      float* out = y + m0 * ldy + tt * NR;
+      if (kq) rows_dispatch<true, true, S>(rows, a, m0, t, td, tm, out, ldy, ncols);
+      else if (tm) rows_dispatch<true, false, S>(rows, a, m0, t, td, tm, out, ldy, ncols);
+      else rows_dispatch<false, false, S>(rows, a, m0, t, td, tm, out, ldy, ncols);
     }
   }
   _tile_release();  // lets the kernel skip saving ~8 KB of tile state at context switches
 }
 }  // namespace
 
-void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits,
+void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int fmt,
                     float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1) {
-  tiles_amx(a, M, wp, wd, wm, bits, y, ldy, n, t0, t1);
+  tiles_amx(a, M, wp, wd, wm, fmt, y, ldy, n, t0, t1);
 }
-void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int bits,
+void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int fmt,
                     float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1) {
-  tiles_amx(a, M, wp, wd, wm, bits, y, ldy, n, t0, t1);
+  tiles_amx(a, M, wp, wd, wm, fmt, y, ldy, n, t0, t1);
 }
 
 }  // namespace specserve_quant

@@ -40,6 +40,9 @@ int64_t env_impl() {
 // cost per block), is mixed at M = 8 (-8 %..+10 % per shape; no gain end to end for verify-8), and wins on
 // every shape from M = 12 (1.05-1.2x; 1.2-1.4x at M = 16).
 constexpr int64_t AMX_MIN_M = 12;
+// Q4_K from this many rows: its epilogue forms d·sc and −(dmin·mn) per block, so AMX ties VNNI up to M = 24 and
+// wins from 32 (Qwen2.5-1.5B gate_up/down: 1.0-1.1x at 32, 1.1-1.2x at 48-150).
+constexpr int64_t AMX_MIN_M_K4 = 32;
 constexpr int64_t AMX_CHUNK = 16;  // rows per AMX tile multiply (quant_gemm_amx.cpp: MT)
 constexpr int64_t VNNI_REST = 3;
 
@@ -104,7 +107,7 @@ Seg check_seg(const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at
 
 // y[:, seg.col : seg.col + seg.n] for every segment, one activation quantization, one parallel loop over all
 // column tiles. NOTE: the split over tiles (columns), and of rows between paths, never changes any element's
-// arithmetic. AMX takes F4/F8 segments; the other formats run on VNNI (or portable) whatever the path.
+// arithmetic. AMX takes F4/F8/K4 segments; the other formats run on VNNI (or portable) whatever the path.
 at::Tensor qgemm_run(const at::Tensor& x, std::vector<Seg> segs, int64_t impl) {
   if (impl == FROM_ENV) impl = env_impl();
   const int64_t K = x.size(-1), nb = K / QK;
@@ -134,11 +137,16 @@ at::Tensor qgemm_run(const at::Tensor& x, std::vector<Seg> segs, int64_t impl) {
   auto one = [&](const Seg& s, auto* wdp, auto* wmp, int64_t t0, int64_t t1) {
     const uint8_t* wpp = s.wp->data_ptr<uint8_t>();
     float* ys = yp + s.col;
-    if (s.fmt != specserve_quant::F4 && s.fmt != specserve_quant::F8)
-      return specserve_quant::gemm_tiles_fmt(a, M, static_cast<int>(s.fmt), wpp, wdp, wmp, vnni, ys, N, s.n, t0, t1);
-    if (!amx) return specserve_quant::gemm_tiles(a, M, wpp, wdp, wmp, static_cast<int>(s.fmt), vnni, ys, N, s.n, t0, t1);
-    specserve_quant::gemm_tiles_amx(a, m_amx, wpp, wdp, wmp, static_cast<int>(s.fmt), ys, N, s.n, t0, t1);
-    if (rest) specserve_quant::gemm_tiles(tail, rest, wpp, wdp, wmp, static_cast<int>(s.fmt), vnni, ys + m_amx * N, N, s.n, t0, t1);
+    const int fmt = static_cast<int>(s.fmt);
+    const bool simple = fmt == specserve_quant::F4 || fmt == specserve_quant::F8;  // quant_gemm.cpp's formats
+    auto vec = [&](const Acts& acts, int64_t rows, float* out) {  // the VNNI (or portable) path
+      if (simple) return specserve_quant::gemm_tiles(acts, rows, wpp, wdp, wmp, fmt, vnni, out, N, s.n, t0, t1);
+      specserve_quant::gemm_tiles_fmt(acts, rows, fmt, wpp, wdp, wmp, vnni, out, N, s.n, t0, t1);
+    };
+    const bool k4_amx = fmt == specserve_quant::K4 && (impl != AUTO || M >= AMX_MIN_M_K4);
+    if (!amx || !(simple || k4_amx)) return vec(a, M, ys);
+    specserve_quant::gemm_tiles_amx(a, m_amx, wpp, wdp, wmp, fmt, ys, N, s.n, t0, t1);
+    if (rest) vec(tail, rest, ys + m_amx * N);
   };
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (const Seg& s : segs) {

@@ -74,21 +74,22 @@ def test_unknown_block_type_names_tensor() -> None:
 @pytest.mark.parametrize("threads", (1, 2))
 @pytest.mark.parametrize("qtype", NEW)
 def test_kernel_bit_equal_to_reference(qtype: str, threads: int) -> None:
-    """Every path (AMX routes these formats to VNNI) equals quant_ref bit for bit, for decode to past the AMX
-    threshold, N not a multiple of 16; rows do not depend on M."""
+    """Every path (AMX takes Q4_K, from 32 rows under auto, and routes the others to VNNI) equals quant_ref
+    bit for bit, for decode to past both AMX thresholds (33: a row past two full chunks goes to VNNI; 36: a
+    zero-padded chunk), N not a multiple of 16; rows do not depend on M."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for N, K in ((40, 256), (72, 1536)):
             codes = gguf_blocks(raw_blocks(qtype, N, K, seed=N), qtype, (N, K))
             wp, wd, wm, n, fmt = pack_codes(codes)
-            x = _acts(17, K)
+            x = _acts(36, K)
             ref = qgemm_ref(x, *codes.blocks32())
             for impl in _paths():
-                for M in (1, 3, 8, 13, 17):
+                for M in (1, 3, 8, 13, 17, 33, 36):
                     assert torch.equal(torch.ops.specserve.qgemm(x[:M], wp, wd, wm, n, fmt, impl), ref[:M]), (impl, M)
             y1 = torch.cat([torch.ops.specserve.qgemm(x[i:i + 1], wp, wd, wm, n, fmt, VNNI if VNNI in _paths() else 0)
-                            for i in range(17)])
+                            for i in range(36)])
             assert torch.equal(y1, ref)
     finally:
         torch.set_num_threads(old)

@@ -41,6 +41,39 @@ __attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i dot_
   return _mm512_add_epi32(s0, s1);
 }
 
+// One block of 4-, 5- or 6-bit codes (a nibble plane [+ bit planes]) → 8 vectors of unsigned bytes (group g of
+// all 16 columns each): the VNNI kernels' operands and the AMX path's expanded tile.
+template <int BITS>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void decode_codes(const uint8_t* blk, __m512i* w) {
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int g = 0; g < 4; ++g) {
+    const __m512i v = _mm512_loadu_si512(blk + g * 64);
+    w[g] = _mm512_and_si512(v, nib);
+    w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  }
+  if (BITS == 5) {  // bit g of each byte → bit 4 of group g
+    const __m512i h = _mm512_loadu_si512(blk + 256), b4 = _mm512_set1_epi8(0x10);
+    w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), b4));
+    w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), b4));
+    w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), b4));
+    w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), b4));
+    w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h, b4));
+    w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), b4));
+    w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), b4));
+    w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), b4));
+  }
+  if (BITS == 6) {  // bits 2j..2j+1 of vector h → bits 4..5 of group 4h + j
+    const __m512i b45 = _mm512_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_loadu_si512(blk + 256 + h * 64);
+      w[4 * h] = _mm512_or_si512(w[4 * h], _mm512_and_si512(_mm512_slli_epi16(v, 4), b45));
+      w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), b45));
+      w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(v, b45));
+      w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), b45));
+    }
+  }
+}
+
 __attribute__((target("avx512f"), always_inline)) inline __m512 load_scales(const float* p) {
   return _mm512_loadu_ps(p);
 }
@@ -61,7 +94,7 @@ void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd,
 // (arch_prctl ARCH_REQ_XCOMP_PERM); asked once. False on other CPUs/OSes: callers use the VNNI path.
 bool amx_usable();
 
-// Column tiles [t0, t1) of y[M, n] (row stride n) with AMX, every row, for fmt F4, F8 or K4. Each block's
+// Column tiles [t0, t1) of y[M, n] (row stride n) with AMX, every row, for fmt F4, F8, K4 or K6. Each block's
 // integer sum is exact int32 and the fp32 epilogue is the VNNI path's, op for op: bit-identical to the other paths.
 // NOTE: for M > 16, a.q must hold M rounded up to a multiple of 16 rows (tile loads read whole 16-row chunks;
 // the padding rows' results are never used, whatever they hold). One per scale type (fp32, fp16).
@@ -72,7 +105,7 @@ void gemm_tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const at::Half*
                     float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
 
 // Column tiles [t0, t1) of the formats F5, K4, K5, K6 (quant_gemm_fmt.cpp), portable or AVX-512-VNNI; same
-// contract as above. NOTE: of these, the AMX path takes K4 only: the op routes F5, K5 and K6 here (VNNI) always.
+// contract as above. NOTE: of these, the AMX path takes K4 and K6: the op routes F5 and K5 here (VNNI) always.
 void gemm_tiles_fmt(const Acts& a, int64_t M, int fmt, const uint8_t* wp, const float* wd, const float* wm,
                     bool vnni, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
 void gemm_tiles_fmt(const Acts& a, int64_t M, int fmt, const uint8_t* wp, const at::Half* wd, const at::Half* wm,

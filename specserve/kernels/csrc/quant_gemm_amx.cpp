@@ -44,33 +44,35 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: C0..C3 = 0..3 (R rows × 16 int32: the sums of 4 consecutive blocks), A = 4, 5 (R rows × 32 int8:
-// one block of activations), B = 6, 7 (8 K-groups × 64 bytes: one block of 16 columns), A/B alternating.
-AMX_TARGET void configure(int R) {
+// Tiles: C0..C3 = 0..3 (R rows × 16 int32: the sums of 4 consecutive units), A = 4, 5 (R rows × 32 int8:
+// one unit of activations), B = 6, 7 (8 K-groups × 64 bytes: one unit of 16 columns), A/B alternating. A unit
+// is a block of 32, or for Q6_K (`half`) a half-block of 16 (4 K-groups): its scales are per 16, so its two
+// halves' integer sums stay apart.
+AMX_TARGET void configure(int R, bool half) {
   TileConfig cfg;
   for (int t : {0, 1, 2, 3}) { cfg.rows[t] = R; cfg.colsb[t] = 64; }
-  for (int t : {4, 5}) { cfg.rows[t] = R; cfg.colsb[t] = 32; }
-  for (int t : {6, 7}) { cfg.rows[t] = 8; cfg.colsb[t] = 64; }
+  for (int t : {4, 5}) { cfg.rows[t] = R; cfg.colsb[t] = half ? 16 : 32; }
+  for (int t : {6, 7}) { cfg.rows[t] = half ? 4 : 8; cfg.colsb[t] = 64; }
   COMPILER_BARRIER();
   _tile_loadconfig(&cfg);
 }
 
-// Where block b of a column tile starts: F4 blocks follow each other; Q4_K's sit 8 to a super-block, before its
-// 32 scale-code bytes per block (quant_gemm_fmt.cpp: block_codes / block_subs).
-inline const uint8_t* codes_at(bool kq, const uint8_t* tile, int64_t b) {
-  return kq ? tile + (b >> 3) * sb_bytes(K4) + (b & 7) * code_bytes(K4) : tile + b * code_bytes(F4);
+// Where block b of a column tile starts: F4 blocks follow each other; K-quant blocks sit 8 to a super-block,
+// before their 32 scale-code bytes each (quant_gemm_fmt.cpp: block_codes / block_subs).
+inline const uint8_t* codes_at(int fmt, const uint8_t* tile, int64_t b) {
+  return fmt & KQ ? tile + (b >> 3) * sb_bytes(fmt) + (b & 7) * code_bytes(fmt) : tile + b * code_bytes(fmt);
+}
+inline const uint8_t* subs_at(int fmt, const uint8_t* tile, int64_t b) {
+  return tile + (b >> 3) * sb_bytes(fmt) + 8 * code_bytes(fmt) + (b & 7) * 32;
 }
 
-// One column tile's 4-bit codes (nb blocks) → one byte each (0..15) in the same layout (see file comment).
-AMX_TARGET void expand(const uint8_t* src, int64_t nb, bool kq, uint8_t* dst) {
-  const __m512i nib = _mm512_set1_epi8(0x0F);
+// One column tile's 4- or 6-bit codes (nb blocks) → one byte each in the same layout (see file comment).
+template <int BITS>
+AMX_TARGET void expand(const uint8_t* src, int64_t nb, int fmt, uint8_t* dst) {
   for (int64_t b = 0; b < nb; ++b, dst += BLK) {
-    const uint8_t* blk = codes_at(kq, src, b);
-    for (int g = 0; g < 4; ++g) {
-      const __m512i v = _mm512_loadu_si512(blk + g * 64);
-      _mm512_store_si512(dst + g * 64, _mm512_and_si512(v, nib));
-      _mm512_store_si512(dst + (g + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-    }
+    __m512i w[8];
+    decode_codes<BITS>(codes_at(fmt, src, b), w);
+    for (int g = 0; g < 8; ++g) _mm512_store_si512(dst + g * 64, w[g]);
   }
   COMPILER_BARRIER();
 }
@@ -84,7 +86,7 @@ AMX_TARGET __attribute__((always_inline)) inline void epilogue(__m512* acc, cons
                                                                const int32_t (*s)[NR]) {
   __m512 dw, mw = _mm512_setzero_ps();
   if constexpr (KQF) {
-    const uint8_t* sub = tile + (b >> 3) * sb_bytes(K4) + 8 * code_bytes(K4) + (b & 7) * 32;
+    const uint8_t* sub = subs_at(K4, tile, b);
     const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
     const __m512 msb = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(load_scales(wm + (b >> 3) * NR)), sign));
     dw = _mm512_mul_ps(load_scales(wd + (b >> 3) * NR),
@@ -103,7 +105,27 @@ AMX_TARGET __attribute__((always_inline)) inline void epilogue(__m512* acc, cons
   }
 }
 
-constexpr int G = 4;  // blocks per group (one C tile each)
+// Q6_K's epilogue for R rows (tile_vnni's K6 branch, op for op): s_lo, s_hi the half-blocks' integer sums;
+// isum = sc_lo·(s_lo − 32·A_lo) + sc_hi·(s_hi − 32·A_hi) (exact); acc = acc + (d·d_a)·float(isum).
+template <int R, typename S>
+AMX_TARGET __attribute__((always_inline)) inline void epilogue6(__m512* acc, const Acts& a, int64_t m0, int64_t b,
+                                                                const S* wd, const uint8_t* tile,
+                                                                const int32_t (*s_lo)[NR], const int32_t (*s_hi)[NR]) {
+  const uint8_t* sub = subs_at(K6, tile, b);
+  const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
+  const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + NR)));
+  const __m512 dw = load_scales(wd + (b >> 3) * NR);
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = (m0 + r) * a.nb + b;
+    const int32_t lo = a.lo[i], hi = a.sum[i] - lo;
+    const __m512i s0 = _mm512_mullo_epi32(sc0, _mm512_sub_epi32(_mm512_load_si512(s_lo[r]), _mm512_set1_epi32(32 * lo)));
+    const __m512i s1 = _mm512_mullo_epi32(sc1, _mm512_sub_epi32(_mm512_load_si512(s_hi[r]), _mm512_set1_epi32(32 * hi)));
+    const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i]));
+    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1))));
+  }
+}
+
+constexpr int G = 4;  // units per group (one C tile each; an even count: a Q6_K block's two halves stay together)
 
 // What the tile multiplies of one (column tile, row chunk) read.
 struct TileArgs {
@@ -112,6 +134,7 @@ struct TileArgs {
   const uint8_t* tile;         // the column tile as packed (Q4_K: where its scale codes are)
   const int32_t* corr;         // 8-bit: [rows][nb][16] of −128·Σq_a (the C tiles start there), else null
   long ldc;                    // row stride of corr in bytes
+  int a_step, b_step;          // bytes from one unit to the next: activations (32 or 16), codes (BLK or BLK/2)
 };
 
 // Integer block sums of blocks b0..b0+cnt-1 (cnt <= G) into tiles C0..C(cnt-1): TDPBSUD (signed activations ×
@@ -120,8 +143,8 @@ AMX_TARGET __attribute__((always_inline)) inline void multiply_group(const TileA
 #define BLOCK(J, CT, AT, BT)                                                          \
   if (J < cnt) {                                                                      \
     if (t.corr) _tile_loadd(CT, t.corr + (b0 + J) * NR, t.ldc); else _tile_zero(CT);  \
-    _tile_loadd(AT, t.aq + (b0 + J) * QK, t.lda);                                     \
-    _tile_loadd(BT, t.w + (b0 + J) * BLK, 64);                                        \
+    _tile_loadd(AT, t.aq + (b0 + J) * t.a_step, t.lda);                               \
+    _tile_loadd(BT, t.w + (b0 + J) * t.b_step, 64);                                   \
     _tile_dpbsud(CT, AT, BT);                                                         \
   }
   BLOCK(0, 0, 4, 6) BLOCK(1, 1, 5, 7) BLOCK(2, 2, 4, 6) BLOCK(3, 3, 5, 7)
@@ -140,31 +163,37 @@ AMX_TARGET __attribute__((always_inline)) inline void store_group(int cnt, int32
 // multiplies of group g + 1 are issued before the epilogue of group g and their sums stored after it, so the
 // AMX unit and the vector epilogue overlap and the epilogue's loads never queue behind fresh tile stores.
 // Epilogues stay in block order.
-template <int R, bool HAS_M, bool KQF, typename S>
+template <int R, bool HAS_M, int FMT, typename S>
 AMX_TARGET void rows_amx(const Acts& a, int64_t m0, const TileArgs& t, const S* wd, const S* wm, float* out,
                          int64_t ldo, int64_t ncols) {
   alignas(64) int32_t c[2][G][MT][NR];
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t nb = a.nb;
+  const int64_t nb = FMT == K6 ? 2 * a.nb : a.nb;  // units
   auto count = [nb](int64_t b0) { return static_cast<int>(std::min<int64_t>(G, nb - b0)); };
   multiply_group(t, 0, count(0));
   store_group(count(0), c[0]);
   for (int64_t b0 = 0, g = 0; b0 < nb; b0 += G, ++g) {
     const int64_t next = b0 + G;
     if (next < nb) multiply_group(t, next, count(next));
-    for (int j = 0; j < count(b0); ++j) epilogue<R, HAS_M, KQF, S>(acc, a, m0, b0 + j, wd, wm, t.tile, c[g & 1][j]);
+    if constexpr (FMT == K6) {
+      for (int j = 0; j < count(b0); j += 2)
+        epilogue6<R, S>(acc, a, m0, (b0 + j) / 2, wd, t.tile, c[g & 1][j], c[g & 1][j + 1]);
+    } else {
+      for (int j = 0; j < count(b0); ++j)
+        epilogue<R, HAS_M, FMT == K4, S>(acc, a, m0, b0 + j, wd, wm, t.tile, c[g & 1][j]);
+    }
     if (next < nb) store_group(count(next), c[(g + 1) & 1]);
   }
   const __mmask16 mask = ncols >= NR ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
 }
 
-template <bool HAS_M, bool KQF, typename S>
+template <bool HAS_M, int FMT, typename S>
 void rows_dispatch(int R, const Acts& a, int64_t m0, const TileArgs& w, const S* wd, const S* wm, float* out,
                    int64_t ldo, int64_t ncols) {
   switch (R) {
-#define CASE(N) case N: rows_amx<N, HAS_M, KQF, S>(a, m0, w, wd, wm, out, ldo, ncols); break;
+#define CASE(N) case N: rows_amx<N, HAS_M, FMT, S>(a, m0, w, wd, wm, out, ldo, ncols); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
     CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 #undef CASE
@@ -197,14 +226,15 @@ AMX_TARGET void tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const S* 
   // recompute a whole chunk ending at M instead (SmolLM2 w4a8 forward, context 300: 17 tokens cost 19.5 ms
   // against 14.5 for 16; padded 17.2-18.0 against 13.9-15.3: the 16-row tile work stays, the epilogue does not).
   const int R = static_cast<int>(std::min<int64_t>(M, MT));
-  const bool kq = fmt == K4;
+  const bool kq = fmt & KQ, half = fmt == K6;
   const int bits = fmt & 15;
-  const int64_t nb = a.nb, srows = kq ? nb / 8 : nb, tile_bytes = kq ? srows * sb_bytes(K4) : nb * code_bytes(fmt);
+  const int64_t nb = a.nb, srows = kq ? nb / 8 : nb, tile_bytes = kq ? srows * sb_bytes(fmt) : nb * code_bytes(fmt);
   thread_local std::vector<uint8_t> scratch;  // 4-bit: one column tile's expanded codes
   thread_local std::vector<int32_t> corr;     // 8-bit: −128·Σq_a per (row, block), 16 lanes
-  TileArgs t{nullptr, static_cast<long>(a.K), nullptr, nullptr, nullptr, static_cast<long>(nb * NR * 4)};
+  TileArgs t{nullptr, static_cast<long>(a.K), nullptr, nullptr, nullptr, static_cast<long>(nb * NR * 4),
+             half ? QK / 2 : QK, half ? BLK / 2 : BLK};
   uint8_t* w = nullptr;
-  if (bits == 4) {
+  if (bits != 8) {
     scratch.resize(nb * BLK + 64);
     w = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
   } else {
@@ -213,12 +243,13 @@ AMX_TARGET void tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const S* 
       _mm512_storeu_si512(corr.data() + i * NR, _mm512_set1_epi32(-128 * a.sum[i]));
     COMPILER_BARRIER();  // tile loads read corr
   }
-  configure(R);  // tile configuration is per thread: set it in the thread that multiplies
+  configure(R, half);  // tile configuration is per thread: set it in the thread that multiplies
   for (int64_t tt = t0; tt < t1; ++tt) {
     const uint8_t* tw = wp + tt * tile_bytes;
     t.tile = tw;
-    if (bits == 4) {
-      expand(tw, nb, kq, w);
+    if (bits != 8) {
+      if (half) expand<6>(tw, nb, fmt, w);
+      else expand<4>(tw, nb, fmt, w);
       tw = w;
     }
     const S* td = wd + tt * srows * NR;
@@ -230,9 +261,10 @@ AMX_TARGET void tiles_amx(const Acts& a, int64_t M, const uint8_t* wp, const S* 
       t.w = tw;
       t.corr = bits == 8 ? corr.data() + m0 * nb * NR : nullptr;
       float* out = y + m0 * ldy + tt * NR;
-      if (kq) rows_dispatch<true, true, S>(rows, a, m0, t, td, tm, out, ldy, ncols);
-      else if (tm) rows_dispatch<true, false, S>(rows, a, m0, t, td, tm, out, ldy, ncols);
-      else rows_dispatch<false, false, S>(rows, a, m0, t, td, tm, out, ldy, ncols);
+      if (fmt == K6) rows_dispatch<false, K6, S>(rows, a, m0, t, td, tm, out, ldy, ncols);
+      else if (fmt == K4) rows_dispatch<true, K4, S>(rows, a, m0, t, td, tm, out, ldy, ncols);
+      else if (tm) rows_dispatch<true, F4, S>(rows, a, m0, t, td, tm, out, ldy, ncols);
+      else rows_dispatch<false, F4, S>(rows, a, m0, t, td, tm, out, ldy, ncols);
     }
   }
   _tile_release();  // lets the kernel skip saving ~8 KB of tile state at context switches

@@ -81,38 +81,6 @@ void tile_portable(const Acts& a, int64_t m0, int64_t mr, int fmt, const uint8_t
 #if defined(__x86_64__)
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-// One block of codes → 8 vectors of unsigned bytes (group g of all 16 columns each).
-template <int BITS>
-VNNI_TARGET __attribute__((always_inline)) inline void decode(const uint8_t* blk, __m512i* w) {
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  for (int g = 0; g < 4; ++g) {
-    const __m512i v = _mm512_loadu_si512(blk + g * 64);
-    w[g] = _mm512_and_si512(v, nib);
-    w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-  }
-  if (BITS == 5) {  // bit g of each byte → bit 4 of group g
-    const __m512i h = _mm512_loadu_si512(blk + 256), b4 = _mm512_set1_epi8(0x10);
-    w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), b4));
-    w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), b4));
-    w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), b4));
-    w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), b4));
-    w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h, b4));
-    w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), b4));
-    w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), b4));
-    w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), b4));
-  }
-  if (BITS == 6) {  // bits 2j..2j+1 of vector h → bits 4..5 of group 4h + j
-    const __m512i b45 = _mm512_set1_epi8(0x30);
-    for (int h = 0; h < 2; ++h) {
-      const __m512i v = _mm512_loadu_si512(blk + 256 + h * 64);
-      w[4 * h] = _mm512_or_si512(w[4 * h], _mm512_and_si512(_mm512_slli_epi16(v, 4), b45));
-      w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), b45));
-      w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(v, b45));
-      w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), b45));
-    }
-  }
-}
-
 VNNI_TARGET __attribute__((always_inline)) inline __m512 bytes_ps(const uint8_t* p, bool is_signed) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
@@ -150,7 +118,7 @@ VNNI_TARGET void tile_vnni(const Acts& a, int64_t m0, const uint8_t* wp, const S
     }
     const uint8_t* sub = block_subs(FMT, wp, b);
     __m512i w[8];
-    decode<BITS>(block_codes(FMT, wp, b), w);
+    decode_codes<BITS>(block_codes(FMT, wp, b), w);
     if constexpr (FMT == K6) {
       const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
       const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + NR)));

@@ -40,9 +40,10 @@ int64_t env_impl() {
 // cost per block), is mixed at M = 8 (-8 %..+10 % per shape; no gain end to end for verify-8), and wins on
 // every shape from M = 12 (1.05-1.2x; 1.2-1.4x at M = 16).
 constexpr int64_t AMX_MIN_M = 12;
-// Q4_K from this many rows: its epilogue forms d·sc and −(dmin·mn) per block, so AMX ties VNNI up to M = 24 and
-// wins from 32 (Qwen2.5-1.5B gate_up/down: 1.0-1.1x at 32, 1.1-1.2x at 48-150).
-constexpr int64_t AMX_MIN_M_K4 = 32;
+// Q4_K and Q6_K from this many rows: their epilogues form the block scales (Q4_K: d·sc, −(dmin·mn)) or two
+// scaled half-block sums (Q6_K), so AMX ties VNNI up to M = 24 and wins from 32 (Qwen2.5-1.5B gate_up/down,
+// Q4_K: 1.0-1.1x at 32, 1.1-1.2x at 48-150).
+constexpr int64_t AMX_MIN_M_KQ = 32;
 constexpr int64_t AMX_CHUNK = 16;  // rows per AMX tile multiply (quant_gemm_amx.cpp: MT)
 constexpr int64_t VNNI_REST = 3;
 
@@ -107,7 +108,7 @@ Seg check_seg(const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at
 
 // y[:, seg.col : seg.col + seg.n] for every segment, one activation quantization, one parallel loop over all
 // column tiles. NOTE: the split over tiles (columns), and of rows between paths, never changes any element's
-// arithmetic. AMX takes F4/F8/K4 segments; the other formats run on VNNI (or portable) whatever the path.
+// arithmetic. AMX takes F4/F8/K4/K6 segments; the other formats run on VNNI (or portable) whatever the path.
 at::Tensor qgemm_run(const at::Tensor& x, std::vector<Seg> segs, int64_t impl) {
   if (impl == FROM_ENV) impl = env_impl();
   const int64_t K = x.size(-1), nb = K / QK;
@@ -133,7 +134,8 @@ at::Tensor qgemm_run(const at::Tensor& x, std::vector<Seg> segs, int64_t impl) {
          act[3].data_ptr<int32_t>(), K, nb};
   if (k6) a.lo = lo.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  Acts tail{a.q + m_amx * K, a.d + m_amx * nb, a.sa + m_amx * nb, a.sum + m_amx * nb, K, nb};
+  Acts tail{a.q + m_amx * K, a.d + m_amx * nb, a.sa + m_amx * nb, a.sum + m_amx * nb, K, nb,
+            a.lo ? a.lo + m_amx * nb : nullptr};
   auto one = [&](const Seg& s, auto* wdp, auto* wmp, int64_t t0, int64_t t1) {
     const uint8_t* wpp = s.wp->data_ptr<uint8_t>();
     float* ys = yp + s.col;
@@ -143,8 +145,8 @@ at::Tensor qgemm_run(const at::Tensor& x, std::vector<Seg> segs, int64_t impl) {
       if (simple) return specserve_quant::gemm_tiles(acts, rows, wpp, wdp, wmp, fmt, vnni, out, N, s.n, t0, t1);
       specserve_quant::gemm_tiles_fmt(acts, rows, fmt, wpp, wdp, wmp, vnni, out, N, s.n, t0, t1);
     };
-    const bool k4_amx = fmt == specserve_quant::K4 && (impl != AUTO || M >= AMX_MIN_M_K4);
-    if (!amx || !(simple || k4_amx)) return vec(a, M, ys);
+    const bool kq_amx = (fmt == specserve_quant::K4 || fmt == specserve_quant::K6) && (impl != AUTO || M >= AMX_MIN_M_KQ);
+    if (!amx || !(simple || kq_amx)) return vec(a, M, ys);
     specserve_quant::gemm_tiles_amx(a, m_amx, wpp, wdp, wmp, fmt, ys, N, s.n, t0, t1);
     if (rest) vec(tail, rest, ys + m_amx * N);
   };

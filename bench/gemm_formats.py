@@ -1,7 +1,8 @@
 """Time torch.ops.specserve.qgemm per weight format at Qwen2.5-1.5B's decode shapes: bytes streamed per call and
 GB/s, the former fp32-scale 4-bit form (what Q4_K, and the re-quantized Q5_0/Q6_K, used) against the native ones.
 
-    PYTHONPATH=. python bench/gemm_formats.py [--threads 2] [--rows 1 8] [--reps 15]
+    PYTHONPATH=. python bench/gemm_formats.py [--threads 2] [--rows 1 8] [--reps 15] [--impls auto vnni amx]
+        [--output bench/results/gemm-formats.json]
 
 Weights are random valid codes; timing depends on the format only. Small weights are cycled through copies
 (>= 256 MB in all) so each call streams them from DRAM, as a decode step does. Prints the best of --reps.
@@ -9,11 +10,13 @@ Weights are random valid codes; timing depends on the format only. Small weights
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
 import time
 
 import torch
 
-from specserve import kernels
 from specserve.models.quant_ref import K4, K5, K6, pack, pack_kquant
 
 SHAPES = {"gate_up": (8960, 1536), "qkv": (2048, 1536), "down": (1536, 8960), "lm_head": (151936, 1536)}
@@ -43,32 +46,45 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--formats", nargs="+", default=["old4", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--impls", nargs="+", default=["auto"], help="kernel paths to compare (SPECSERVE_QUANT_IMPL)")
+    p.add_argument("--output", help="also write the rows and the machine to this JSON file")
     a = p.parse_args()
-    kernels.load()
+    from specserve.bench.gemm import cpu_info
+
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
-    print(f"isa {torch.ops.specserve.quant_isa()}, threads {a.threads}")
-    print(f"{'shape':8} {'N':>6} {'K':>5} {'format':6} {'bits/w':>6} {'MB':>7} " +
+    machine = cpu_info()
+    print(f"{machine['cpu']}, isa {machine['qgemm_path']}, threads {a.threads}")
+    print(f"{'shape':8} {'N':>6} {'K':>5} {'format':6} {'impl':5} {'bits/w':>6} {'MB':>7} " +
           " ".join(f"{'M=' + str(m) + ' ms':>9} {'GB/s':>6}" for m in a.rows))
+    rows = []
     for name in a.shapes:
         N, K = SHAPES[name]
         for fmt in a.formats:
             w, code = weight(fmt, N, K, g)
             nbytes = sum(t.numel() * t.element_size() for t in w if t is not None)
             copies = [w] + [tuple(t if t is None else t.clone() for t in w) for _ in range(max(0, (256 << 20) // nbytes))]
-            cols = []
-            for M in a.rows:
-                x = torch.randn(M, K, generator=g)
-                times = []
-                for i in range(a.reps + 2):
-                    c = copies[i % len(copies)]
-                    t0 = time.perf_counter()
-                    torch.ops.specserve.qgemm(x, *c, N, code)
-                    times.append(time.perf_counter() - t0)
-                ms = min(times[2:]) * 1e3  # NOTE: the best of reps: a shared 2-core VM preempts often
-                cols.append(f"{ms:9.3f} {nbytes / ms / 1e6:6.1f}")
-            print(f"{name:8} {N:6} {K:5} {fmt:6} {nbytes * 8 / (N * K):6.3f} {nbytes / 1e6:7.1f} " + " ".join(cols))
+            for impl in a.impls:
+                os.environ["SPECSERVE_QUANT_IMPL"] = impl  # read by the op at every call
+                ms_by_m = {}
+                for M in a.rows:
+                    x = torch.randn(M, K, generator=g)
+                    times = []
+                    for i in range(a.reps + 2):
+                        c = copies[i % len(copies)]
+                        t0 = time.perf_counter()
+                        torch.ops.specserve.qgemm(x, *c, N, code)
+                        times.append(time.perf_counter() - t0)
+                    ms_by_m[M] = min(times[2:]) * 1e3  # NOTE: the best of reps: a shared 2-core VM preempts often
+                rows.append({"shape": name, "N": N, "K": K, "format": fmt, "impl": impl, "bytes": nbytes, "ms": ms_by_m})
+                print(f"{name:8} {N:6} {K:5} {fmt:6} {impl:5} {nbytes * 8 / (N * K):6.3f} {nbytes / 1e6:7.1f} " +
+                      " ".join(f"{ms:9.3f} {nbytes / ms / 1e6:6.1f}" for ms in ms_by_m.values()))
             del copies
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump({"command": "python bench/gemm_formats.py " + " ".join(sys.argv[1:]), "machine": machine,
+                       "rows": rows}, f, indent=1)
+        print(f"wrote {a.output}")
 
 
 if __name__ == "__main__":

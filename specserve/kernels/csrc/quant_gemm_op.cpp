@@ -41,8 +41,8 @@ int64_t env_impl() {
 // every shape from M = 12 (1.05-1.2x; 1.2-1.4x at M = 16).
 constexpr int64_t AMX_MIN_M = 12;
 // Q4_K and Q6_K from this many rows: their epilogues form the block scales (Q4_K: d·sc, −(dmin·mn)) or two
-// scaled half-block sums (Q6_K), so AMX ties VNNI up to M = 24 and wins from 32 (Qwen2.5-1.5B gate_up/down,
-// Q4_K: 1.0-1.1x at 32, 1.1-1.2x at 48-150).
+// scaled half-block sums (Q6_K), so AMX ties VNNI up to M = 24 (Qwen2.5-1.5B shapes, gemm-formats-amx-kquant.json:
+// Q4_K 1.07-1.18x from 32 rows; Q6_K 1.05-1.12x on down (K = 8960), 0.93-1.02x at K = 1536).
 constexpr int64_t AMX_MIN_M_KQ = 32;
 constexpr int64_t AMX_CHUNK = 16;  // rows per AMX tile multiply (quant_gemm_amx.cpp: MT)
 constexpr int64_t VNNI_REST = 3;

@@ -10,10 +10,11 @@
 // which 16-row chunk holds it, or on threads.
 //
 // Weights are NOT stored a second time: the packed layout already is the tile-B layout (8 rows of K-groups ×
-// 16 columns × 4 bytes). 8-bit codes are tile-loaded in place; 4-bit codes (F4, and Q4_K's: the same nibble
-// planes, 8 blocks per super-block) are expanded once per 16-column tile into an L1 scratch (nibbles → bytes
-// 0..15). Activations are tile-loaded in place. Q4_K's block scales d·sc and −(dmin·mn) are formed in the
-// epilogue from the super-block's fp16 d/dmin and the 6-bit codes, as quant_gemm_fmt.cpp's VNNI path does.
+// 16 columns × 4 bytes). 8-bit codes are tile-loaded in place; 4- and 6-bit codes (F4, Q4_K, Q6_K: nibble
+// planes [+ a 2-bit plane], K-quants 8 blocks per super-block) are expanded once per 16-column tile into an L1
+// scratch (one byte per code). Activations are tile-loaded in place. The K-quants' scales are formed in the
+// epilogue as quant_gemm_fmt.cpp's VNNI path does: Q4_K's d·sc and −(dmin·mn) per block; Q6_K's int8 scales
+// per 16 weight two half-block sums (its tile multiplies are per half-block).
 #include "quant_gemm.h"
 
 #if defined(__x86_64__) && defined(__linux__)
@@ -131,7 +132,7 @@ constexpr int G = 4;  // units per group (one C tile each; an even count: a Q6_K
 struct TileArgs {
   const int8_t* aq; long lda;  // activations of the chunk's first row, row stride K
   const uint8_t* w;            // this column tile's codes, [nb][8][64] unsigned: expanded nibbles or code + 128
-  const uint8_t* tile;         // the column tile as packed (Q4_K: where its scale codes are)
+  const uint8_t* tile;         // the column tile as packed (K-quants: where its scale codes are)
   const int32_t* corr;         // 8-bit: [rows][nb][16] of −128·Σq_a (the C tiles start there), else null
   long ldc;                    // row stride of corr in bytes
   int a_step, b_step;          // bytes from one unit to the next: activations (32 or 16), codes (BLK or BLK/2)

@@ -50,7 +50,8 @@ inline float act_scale(float amax, bool finite) {
 }
 
 // ---- activation quantization (portable) --------------------------------------------------------
-void quantize_rows_portable(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum) {
+void quantize_rows_portable(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum,
+                            int32_t* lo) {
   const int64_t nb = K / QK;
   for (int64_t i = 0; i < M * nb; ++i) {
     const float* xb = x + i * QK;
@@ -64,6 +65,7 @@ void quantize_rows_portable(const float* x, int64_t M, int64_t K, int8_t* q, flo
       r = std::fmin(std::fmax(r, -127.f), 127.f);
       q[i * QK + j] = static_cast<int8_t>(r);
       s += static_cast<int32_t>(r);
+      if (lo && j == QK / 2 - 1) lo[i] = s;
     }
     d[i] = act_scale(amax, finite);
     sum[i] = s;
@@ -114,7 +116,7 @@ void gemm_tile_portable(const Acts& a, int64_t m0, int64_t mr, const uint8_t* wp
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 VNNI_TARGET void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa,
-                                    int32_t* sum) {
+                                    int32_t* sum, int32_t* lo) {
   const int64_t nb = K / QK;
   for (int64_t i = 0; i < M * nb; ++i) {
     const float* xb = x + i * QK;
@@ -127,13 +129,14 @@ VNNI_TARGET void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int8_t
                          _mm512_cmp_ps_mask(_mm512_abs_ps(x1), big, _CMP_LE_OQ)) == 0xFFFF;
     if (!finite) x0 = x1 = _mm512_setzero_ps();  // codes 0 (NaN·0 would convert to -127)
     const float id = finite && amax >= TINY ? 127.f / amax : 0.f;
-    const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    const __m512 vid = _mm512_set1_ps(id), vmin = _mm512_set1_ps(-127.f), vmax = _mm512_set1_ps(127.f);
     // cvtps rounds with MXCSR (half to even), as nearbyint does.
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x0, vid), lo), hi));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x1, vid), lo), hi));
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x0, vid), vmin), vmax));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x1, vid), vmin), vmax));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK + 16), _mm512_cvtsepi32_epi8(q1));
     const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    if (lo) lo[i] = _mm512_reduce_add_epi32(q0);
     d[i] = act_scale(amax, finite);
     sum[i] = s;
     sa[i] = d[i] * static_cast<float>(s);
@@ -244,11 +247,12 @@ namespace specserve_quant {
 
 bool have_vnni() { return cpu_vnni(); }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum, bool vnni) {
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum, int32_t* lo,
+                   bool vnni) {
 #ifdef SPECSERVE_X86
-  if (vnni) return quantize_rows_vnni(x, M, K, q, d, sa, sum);
+  if (vnni) return quantize_rows_vnni(x, M, K, q, d, sa, sum, lo);
 #endif
-  quantize_rows_portable(x, M, K, q, d, sa, sum);
+  quantize_rows_portable(x, M, K, q, d, sa, sum, lo);
 }
 
 void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits, bool vnni,

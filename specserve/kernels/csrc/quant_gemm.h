@@ -84,7 +84,9 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load_scales(cons
 
 // quant_gemm.cpp: the 4/8-bit kernels and activation quantization (portable or AVX-512-VNNI).
 bool have_vnni();
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum, bool vnni);
+// lo (or null): Σ q_a over the first 16 codes of each block, exact (Q6_K's scales are per 16).
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum, int32_t* lo,
+                   bool vnni);
 void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wp, const float* wd, const float* wm, int bits, bool vnni,
                 float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
 void gemm_tiles(const Acts& a, int64_t M, const uint8_t* wp, const at::Half* wd, const at::Half* wm, int bits,

@@ -62,7 +62,8 @@ bool use_amx(int64_t impl, int64_t M) {
 }
 
 // pad_rows: q gets M rounded up to a multiple of it rows (zeros past M; the AMX path's contract), returned [M, K].
-std::vector<at::Tensor> quantize_act_padded(const at::Tensor& x_, int64_t impl, int64_t pad_rows) {
+// with_lo: a fifth tensor, Σ q_a over the first 16 of each block (Q6_K's scales are per 16).
+std::vector<at::Tensor> quantize_act_padded(const at::Tensor& x_, int64_t impl, int64_t pad_rows, bool with_lo = false) {
   if (impl == FROM_ENV) impl = env_impl();
   TORCH_CHECK(x_.dim() == 2 && x_.size(1) % QK == 0, "quantize_act: x must be [M, K] with K % 32 == 0");
   const at::Tensor x = x_.to(at::kFloat).contiguous();
@@ -72,8 +73,11 @@ std::vector<at::Tensor> quantize_act_padded(const at::Tensor& x_, int64_t impl, 
   at::Tensor d = at::empty({M, nb}, x.options());
   at::Tensor sa = at::empty({M, nb}, x.options());
   at::Tensor sum = at::empty({M, nb}, x.options().dtype(at::kInt));
+  at::Tensor lo = with_lo ? at::empty({M, nb}, x.options().dtype(at::kInt)) : at::Tensor();
   specserve_quant::quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                                 sa.data_ptr<float>(), sum.data_ptr<int32_t>(), use_vnni(impl));
+                                 sa.data_ptr<float>(), sum.data_ptr<int32_t>(), with_lo ? lo.data_ptr<int32_t>() : nullptr,
+                                 use_vnni(impl));
+  if (with_lo) return {q, d, sa, sum, lo};
   return {q, d, sa, sum};
 }
 
@@ -126,13 +130,11 @@ at::Tensor qgemm_run(const at::Tensor& x, std::vector<Seg> segs, int64_t impl) {
   // tile work (gate_up, M = 16 -> 17: +0.027 ms on AMX, a VNNI row 0.018). More rows: a zero-padded AMX chunk.
   const int64_t rest = amx && impl == AUTO && M > AMX_CHUNK && M % AMX_CHUNK <= VNNI_REST ? M % AMX_CHUNK : 0;
   const int64_t m_amx = M - rest;
-  auto act = quantize_act_padded(x2, impl, amx && m_amx > AMX_CHUNK ? AMX_CHUNK : 1);
+  auto act = quantize_act_padded(x2, impl, amx && m_amx > AMX_CHUNK ? AMX_CHUNK : 1, k6);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  at::Tensor lo;  // K6: Σ q_a over the first 16 of each block (exact int32)
-  if (k6) lo = act[0].view({M, nb, 2, 16}).select(2, 0).sum({-1}, false, at::kInt).contiguous();
   Acts a{act[0].data_ptr<int8_t>(), act[1].data_ptr<float>(), act[2].data_ptr<float>(),
          act[3].data_ptr<int32_t>(), K, nb};
-  if (k6) a.lo = lo.data_ptr<int32_t>();
+  if (k6) a.lo = act[4].data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
   Acts tail{a.q + m_amx * K, a.d + m_amx * nb, a.sa + m_amx * nb, a.sum + m_amx * nb, K, nb,
             a.lo ? a.lo + m_amx * nb : nullptr};

@@ -1,4 +1,4 @@
-"""Checkpoint loading: GGUF + HF dirs, tokenizer parity with HF transformers (test-only oracle)."""
+"""Checkpoint loading: GGUF + HF dirs (tokenizer parity: test_tokenizer.py)."""
 from __future__ import annotations
 
 import json
@@ -11,32 +11,8 @@ import torch
 from specserve.models.config import ModelConfig
 from specserve.models.gguf_loader import load_gguf, unpermute_rotary
 from specserve.models.loader import load_checkpoint, resolve_model_path
-from specserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
-
-TEXTS = [
-    "Hello, world!",
-    "The quick brown fox jumps over the lazy dog. It's 2024; they'll pay $1,234.56.",
-    "héllo wörld — naïve café, Ærøskøbing",
-    "日本語のテキストと中文文本，还有한국어.",
-    "مرحبا بالعالم",
-    "emoji: 😀🚀👩‍👩‍👧 🇺🇸 and x² + y³ = ½",
-    "def f(x):\n    return {'a': [1, 2, 3]}\n\n\tif x  !=  0:   pass\n",
-    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-    "   leading spaces and trailing   \n\n\n",
-    "a\r\nb\r\n\r\nc\t\t\td    e",
-    "<|endoftext|>raw special then text<file_sep>more",
-    "1234567890 3.14159 0xDEADBEEF 1e-5",
-    "",
-]
-MESSAGES = [
-    [{"role": "user", "content": "What is 2+2?"}],
-    [
-        {"role": "system", "content": "Be terse."},
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "Hello! 👋"},
-        {"role": "user", "content": "Tell me a joke about café owners."},
-    ],
-]
+from specserve.models.tokenizer import Tokenizer
+from tests.test_tokenizer import MESSAGES
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +28,7 @@ def ours(gguf_path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeniz
     return load_checkpoint("smollm2-135m", torch.float32)
 
 
-@pytest.fixture(scope="module")
-def hf_tok(gguf_path: Path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-
-
-# ---- (a) geometry -------------------------------------------------------------------------------
+# ---- geometry -------------------------------------------------------------------------------
 def test_smollm2_config(ours, gguf_path: Path) -> None:
     cfg, weights, tok = ours
     assert resolve_model_path("default") == resolve_model_path("SmolLM2-135M-Instruct") == gguf_path
@@ -82,7 +52,7 @@ def test_bf16_cast(gguf_path: Path) -> None:
     assert all(t.dtype == torch.bfloat16 for t in w.values())
 
 
-# ---- (b) weights equal HF's dequantization --------------------------------------------------------
+# ---- weights equal HF's dequantization --------------------------------------------------------
 def test_weights_match_transformers(ours, gguf_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers requires it for gguf_file=
@@ -107,41 +77,7 @@ def test_unpermute_inverts_converter_permute() -> None:
     assert torch.equal(unpermute_rotary(permute(b, 3), 3), b)
 
 
-# ---- (c) tokenizer parity ------------------------------------------------------------------------
-def test_tokenizer_matches_transformers(ours, hf_tok) -> None:
-    tok = ours[2]
-    for text in TEXTS:
-        ids = tok.encode(text)
-        assert ids == hf_tok.encode(text), text
-        assert tok.encode(text, add_special_tokens=False) == hf_tok.encode(text, add_special_tokens=False)
-        assert tok.decode(ids, skip_special_tokens=False) == text
-        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
-        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
-    assert tok.encode("<|im_start|>user\nhi<|im_end|>")[0] == 1
-    assert tok.id_to_piece(tok.encode(" world")[0]) == "Ġworld"
-
-
-# ---- (d) chat template ---------------------------------------------------------------------------
-def test_chat_template_matches_transformers(ours, hf_tok) -> None:
-    tok = ours[2]
-    for msgs in MESSAGES:
-        for gen in (True, False):
-            want = hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-            assert tok.apply_chat_template(msgs, add_generation_prompt=gen) == want
-
-
-def test_no_chat_template_error(ours) -> None:
-    tok = ours[2]
-    bare = Tokenizer(tok.backend, bos_token_id=None, eos_token_ids=[2], chat_template=None)
-    with pytest.raises(ValueError, match="no chat template"):
-        bare.apply_chat_template([{"role": "user", "content": "x"}])
-    raising = Tokenizer(tok.backend, bos_token_id=None, eos_token_ids=[2],
-                        chat_template="{{ raise_exception('roles must alternate') }}")
-    with pytest.raises(Exception, match="roles must alternate"):
-        raising.apply_chat_template([])
-
-
-# ---- (e) HF directory ----------------------------------------------------------------------------
+# ---- HF directory ----------------------------------------------------------------------------
 def _write_qwen2_dir(root: Path, tok: Tokenizer, arch: str = "Qwen2ForCausalLM") -> dict[str, torch.Tensor]:
     from safetensors.torch import save_file
 
@@ -262,7 +198,7 @@ def test_q5_0_loads(tmp_path: Path) -> None:
     assert weights["model.layers.0.mlp.up_proj.weight"].shape == (64, 32)
 
 
-# ---- (f) errors ----------------------------------------------------------------------------------
+# ---- errors ----------------------------------------------------------------------------------
 def test_unknown_architecture_errors(ours, tmp_path: Path) -> None:
     _write_gguf(tmp_path / "g.gguf", "gpt2", _tiny_tensors(260, bias=False))
     with pytest.raises(ValueError, match="unsupported model architecture 'gpt2'.*llama, qwen2, qwen3"):
@@ -281,21 +217,3 @@ def test_missing_path_and_files_errors(tmp_path: Path) -> None:
     (tmp_path / "empty" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
         load_checkpoint(str(tmp_path / "empty"), torch.float32)
-
-
-# ---- (g) incremental detokenization ----------------------------------------------------------------
-def test_incremental_detokenizer(ours) -> None:
-    tok = ours[2]
-    text = "Grüße 😀 世界! naïve 👩‍👩‍👧 ½ done<|im_end|>"
-    ids = tok.encode(text)
-    for skip in (True, False):
-        det = IncrementalDetokenizer(tok, skip_special_tokens=skip)
-        deltas = [det.feed(i) for i in ids]
-        deltas.append(det.flush())
-        assert all("\ufffd" not in d for d in deltas)
-        assert "".join(deltas) == det.text == tok.decode(ids, skip_special_tokens=skip)
-        assert sum(1 for d in deltas if d == "") > 0  # multibyte chars were held back at least once
-    # context from the prompt does not leak into the output
-    det = tok.incremental(prompt_ids=tok.encode("Hello"))
-    out = "".join(det.feed(i) for i in tok.encode(" world"))
-    assert out == " world"

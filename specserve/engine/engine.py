@@ -40,6 +40,7 @@ from ..spec.verify import verify
 from ..runtime.isolate import isolate
 from ..runtime.output import Emitter
 from ..runtime.runner import ModelRunner, split_features
+from ..runtime.sampling import request_generator
 from .prefix import PrefixCaching
 from .scheduler import Scheduler
 
@@ -125,11 +126,8 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already running")
         grammar = self._grammars.for_params(params)
-        gen = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            gen = torch.Generator().manual_seed(seed)
-        req = Request(rid, list(prompt_ids), params, generator=gen, grammar=grammar)
+        req = Request(rid, list(prompt_ids), params, generator=request_generator(params, self._seed_rng),
+                      grammar=grammar)
         self.requests[rid] = req
         self.scheduler.add(req)
         return req

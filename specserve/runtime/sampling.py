@@ -6,6 +6,8 @@ plain decoding would see at that position; that is what makes penalties lossless
 """
 from __future__ import annotations
 
+import random
+
 import torch
 
 from ..core import Request, SamplingParams, TokenLogprob
@@ -74,6 +76,14 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     if fused.available():
         return torch.ops.specserve.argmax_rows(logits)
     return logits.argmax(dim=-1).tolist()
+
+
+def request_generator(params: SamplingParams, engine_rng: random.Random) -> torch.Generator | None:
+    """A sampled request's own generator: seeded by its `seed`, else by the engine's seeded stream (drawn only
+    for sampled requests, so greedy ones leave later seeds unchanged); None for greedy requests."""
+    if params.greedy:
+        return None
+    return torch.Generator().manual_seed(params.seed if params.seed is not None else engine_rng.getrandbits(63))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

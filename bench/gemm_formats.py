@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from specserve.models.quant_ref import K4, K5, K6, pack, pack_kquant
+from specserve.formats.quant_ref import K4, K5, K6, pack, pack_kquant
 
 SHAPES = {"gate_up": (8960, 1536), "qkv": (2048, 1536), "down": (1536, 8960), "lm_head": (151936, 1536)}
 

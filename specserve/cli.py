@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-from .config import add_engine_args, config_from_args, env_name
+from .config import env_name
+from .flags import add_engine_args, config_from_args
 from .core import SamplingParams
 from .server.config import add_server_args, server_config_from_args
 
@@ -149,7 +150,7 @@ def cmd_chat(a: argparse.Namespace) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> None:
-    from .models.loader import resolve_model_path
+    from .loading.checkpoint import resolve_model_path
 
     _default_drafter(a)
     try:  # bad flags and a missing model fail here, before the port opens

@@ -1,71 +1,28 @@
-"""One config tree: `EngineConfig` feeds the CLI flags (--kebab-case), the environment
-(SPECSERVE_UPPER_SNAKE) and the offline API (`LLM(**snake_case)`). Precedence: explicit > env > default."""
+"""One config tree: `EngineConfig` feeds the CLI flags (--kebab-case, flags.py), the environment
+(SPECSERVE_UPPER_SNAKE) and the offline API (`LLM(**snake_case)`). Precedence: explicit > env > default.
+Plain data: it checks what its own fields decide and imports nothing of specserve; the checks that read a
+registry run in speculative/resolve.py `check_config`."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 VERIFY_PACKINGS = ("compact", "padded")
 Names = tuple[str, ...]
 
 
-def _f(default: Any, help: str | Callable[[], str], choices: Names | Callable[[], Names] | None = None,  # noqa: A002
-       unset: Any = None, aliases: tuple[str, ...] = ()) -> Any:
+def _f(default: Any, help: str, choices: Names | None = None, unset: Any = None,  # noqa: A002
+       aliases: tuple[str, ...] = ()) -> Any:
     """A field; `unset` is the value a None default stands for (None defaults let validation tell a
     flag that was given from one that was not: flags that do not apply are refused only when given).
-    help/choices may be functions: those read a registry (`field_help`, `field_choices`);
-    `aliases`: other flag spellings (another server's name for the same option)."""
+    `aliases`: other flag spellings (another server's name for the same option). NOTE: the fields whose names
+    a registry lists (drafters, window policies, acceptance rules) get their choices and help at the CLI
+    layer (flags.py) and their checks in speculative/resolve.py `check_config`: config reads no registry."""
     return field(default=default, metadata={"help": help, "choices": choices, "unset": unset, "aliases": aliases})
-
-
-def field_help(f: dataclasses.Field) -> str:
-    h = f.metadata["help"]
-    return h() if callable(h) else h
-
-
-def field_choices(f: dataclasses.Field) -> Names | None:
-    ch = f.metadata.get("choices")
-    return ch() if callable(ch) else ch
-
-
-# The registries are the one list of drafters (drafters/base.py), window policies (spec/policy.py) and
-# acceptance rules (spec/rules.py). NOTE: they live with their implementations, which import this module:
-# read on use (validation, the CLI parser), never at import.
-def _algorithm_help() -> str:
-    from .drafters.base import algorithm_help
-
-    return algorithm_help()
-
-
-def _window_policies() -> Names:
-    from .spec.policy import policy_names
-
-    return policy_names()
-
-
-def _window_help() -> str:
-    from .drafters.base import window_defaults_help
-    from .spec.policy import policies_help
-
-    return f"verify-window policy: {policies_help()}. {window_defaults_help()}"
-
-
-def _accept_rules() -> Names:
-    from .spec.rules import selectable_rules
-
-    return selectable_rules()
-
-
-def _accept_help() -> str:
-    from .spec.rules import rules_help
-
-    return f"acceptance rule at temperature > 0 (every temperature-0 request is verified greedily): auto = " \
-           f"sample for drafts sampled from q, onehot for deterministic ones; {rules_help()}"
 
 
 @dataclass(frozen=True)
@@ -106,7 +63,8 @@ class EngineConfig:
     grammar_forced_drafts: int = _f(8, "structured output: where the grammar allows exactly one continuation, propose "
                                     "up to this many of its forced tokens as drafts (verified like any draft, also "
                                     "without a drafter); 0 = off")
-    speculative_algorithm: str | None = _f(None, _algorithm_help)
+    speculative_algorithm: str | None = _f(None, "drafter: a registered algorithm or alias, NONE = plain decoding, "
+                                           "AUTO = the drafter shipped for the target")
     speculative_draft_model_path: str | None = _f(None, "draft model for STANDALONE, or a drafter artifact dir for "
                                                   "EAGLE3/MTP/DFLASH/DSPARK (default: the one shipped for the target)")
     speculative_num_draft_tokens: int | None = _f(None, "draft tokens proposed per request per step (K; default 4, "
@@ -127,10 +85,11 @@ class EngineConfig:
     speculative_draft_attention_window: int | None = _f(
         None, "EAGLE3/MTP/DFLASH/DSPARK: the drafter attends only to the last W committed positions (and its own "
         "drafts); draft KV pages behind them are freed (default: all)")
-    speculative_window: str | None = _f(None, _window_help, _window_policies)
+    speculative_window: str | None = _f(None, "verify-window policy (default: the algorithm's)")
     speculative_confidence_threshold: float | None = _f(None, "confidence window: keep draft positions while the "
                                                         "cumulative acceptance probability is at least this", unset=0.2)
-    speculative_accept: str = _f("auto", _accept_help, _accept_rules)
+    speculative_accept: str = _f("auto", "acceptance rule at temperature > 0 (every temperature-0 request is "
+                                 "verified greedily)")
     speculative_verify_packing: str = _f("compact", "ragged verify batch: compact = windows back to back (the "
                                          "linear layers see sum(k+1) rows); padded = every window padded to the "
                                          "longest", VERIFY_PACKINGS)
@@ -151,19 +110,10 @@ class EngineConfig:
                                              "shipped for the target's tokenizer, if any; none = the full head")
 
     def __post_init__(self) -> None:
-        algo = self.speculative_algorithm
-        if algo is not None and algo.upper() == "NONE":
-            algo = None
+        if self.speculative_algorithm is not None and self.speculative_algorithm.upper() == "NONE":
             object.__setattr__(self, "speculative_algorithm", None)
-        if algo is not None:
-            from .drafters.base import canonical_algorithm  # the registry is the one list of algorithms
-
-            object.__setattr__(self, "speculative_algorithm", canonical_algorithm(algo))
-        from .spec.rules import check_rule  # a rule no flag selects is refused with its reason
-
-        check_rule(self.speculative_accept)
         for f in dataclasses.fields(self):
-            ch = field_choices(f)
+            ch = f.metadata["choices"]
             if ch and getattr(self, f.name) is not None and getattr(self, f.name) not in ch:
                 raise ValueError(f"--{flag(f.name)}: {getattr(self, f.name)!r} is not one of {', '.join(ch)}")
         for name in ("page_size", "max_prefill_tokens", "max_running_requests", "speculative_ngram_min_match",
@@ -193,10 +143,6 @@ class EngineConfig:
                              f"got {self.speculative_block_size}")
         if self.value("speculative_ngram_max_match") < (self.speculative_ngram_min_match or 1):
             raise ValueError("--speculative-ngram-max-match must be >= --speculative-ngram-min-match")
-        if self.speculative_algorithm is not None:  # plain decoding ignores the speculative flags
-            from .spec.resolve import validate_speculative  # lazy: spec/ imports this module
-
-            validate_speculative(self)
 
     def value(self, name: str) -> Any:
         """The field's value, or what its None default stands for."""
@@ -230,7 +176,7 @@ def env_name(name: str) -> str:
     return "SPECSERVE_" + name.upper()
 
 
-def _base_type(f: dataclasses.Field, owner: type | None = None) -> type:
+def base_type(f: dataclasses.Field, owner: type | None = None) -> type:
     t = typing.get_type_hints(owner or EngineConfig)[f.name]
     if isinstance(t, types.UnionType):
         t = next(a for a in typing.get_args(t) if a is not type(None))
@@ -239,38 +185,17 @@ def _base_type(f: dataclasses.Field, owner: type | None = None) -> type:
 
 def parse_field(text: str, f: dataclasses.Field, source: str, owner: type | None = None) -> Any:
     """`text` (an environment variable or a `--algos` override) as the field's type; errors name `source`."""
-    t = _base_type(f, owner)
+    t = base_type(f, owner)
     try:
-        return _parse_bool(text) if t is bool else t(text)
+        return parse_bool(text) if t is bool else t(text)
     except ValueError:
         raise ValueError(f"{source}: expected {t.__name__}, got {text!r}") from None
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
         return True
     if low in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
-
-
-def add_engine_args(parser: argparse.ArgumentParser, owner: type | None = None) -> None:
-    """Add every field of EngineConfig (or another config dataclass with `from_sources`, e.g. the
-    server's ServerConfig) as --kebab-case (default None so env/defaults apply later)."""
-    for f in dataclasses.fields(owner or EngineConfig):
-        if f.name == "model":
-            continue
-        t = _base_type(f, owner)
-        # a boolean flag alone means true (`--disable-prefix-cache`); `--flag false` still parses
-        boolean = dict(nargs="?", const=True) if t is bool else {}
-        parser.add_argument(f"--{flag(f.name)}", *f.metadata.get("aliases", ()), dest=f.name,
-                            type=_parse_bool if t is bool else t, default=None, choices=field_choices(f), **boolean,
-                            help=f"{field_help(f)} [env {env_name(f.name)}; default "
-                                 f"{f.default if f.default is not None else f.metadata.get('unset')}]")
-
-
-def config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
-    explicit = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
-    explicit["model"] = model
-    return EngineConfig.from_sources(explicit)

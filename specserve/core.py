@@ -145,10 +145,6 @@ class Request:
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     spec_decode_steps: int = 0  # decode steps, with or without drafts (mean window = draft_tokens / steps)
-    draft_source: str = "draft"  # which of the drafter's `sources` drafts for it this step (HYBRID: lookup/learned)
-    #: a draft model neither prefills nor drafts for it (where the `cost` policy would not draft); cleared when
-    #: drafting pays again, then the draft model catches up on the whole context at its next propose
-    draft_off: bool = False
 
     @property
     def all_ids(self) -> list[int]:
@@ -174,6 +170,23 @@ class Request:
 
 
 @dataclass
+class DraftPlan:
+    """The draft stage's plan for a decode batch, per request: which of the drafter's `sources` drafts for it
+    (decided from committed tokens only) and at most how many tokens it may propose (0: none). The window
+    policy fills the windows in; the drafter drafts under it."""
+
+    sources: list[str]
+    windows: list[int]
+
+    def split(self) -> list["DraftPlan"]:
+        return [DraftPlan([s], [w]) for s, w in zip(self.sources, self.windows)]
+
+    @staticmethod
+    def join(parts: list["DraftPlan"]) -> "DraftPlan":
+        return DraftPlan([s for p in parts for s in p.sources], [w for p in parts for w in p.windows])
+
+
+@dataclass
 class Proposal:
     """Draft tokens for a decode batch, ragged: request b proposes len(tokens[b]) ≥ 0 tokens.
 
@@ -185,7 +198,7 @@ class Proposal:
     q: list[torch.Tensor | None] | None = None
     confidence: list[torch.Tensor | None] | None = None
     # tree drafts (EAGLE-2): parents[b][i] = index of node i's parent (−1 = the root, the last token);
-    # nodes are in topological order, so any prefix of a tree proposal is a tree (spec/tree.py)
+    # nodes are in topological order, so any prefix of a tree proposal is a tree (speculative/tree.py)
     parents: list[list[int] | None] | None = None
 
     @staticmethod

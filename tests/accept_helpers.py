@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from specserve.spec.rules import accept_block, accept_onehot, accept_sample
+from specserve.speculative.rules import accept_block, accept_onehot, accept_sample
 
 
 @pytest.fixture(autouse=True, scope="module")

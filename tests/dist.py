@@ -2,7 +2,7 @@
 exactly on a tiny-vocabulary model, against the engine's empirical law over N seeded requests.
 The statistic is Pearson's X² over the joint's cells; its bar comes from direct samples of the exact law
 with the same N (the null distribution, Monte Carlo: small cells make the χ² approximation unreliable).
-X² sees a 1.2× ratio bias that total variation did not (tests/test_dist_power.py)."""
+X² sees a 1.2× ratio bias that total variation did not (tests/speculative/test_dist_power.py)."""
 from __future__ import annotations
 
 import math
@@ -88,9 +88,9 @@ def engine_vs_exact_joint(llm, prompt: list[int], length: int, base: SamplingPar
 
 
 # ---- negative controls: deliberately wrong acceptance rules (they must FAIL the test above) ----
-# NOTE: the one place that names the module whose rule functions the accept stage runs (spec/rules.py: its
+# NOTE: the one place that names the module whose rule functions the accept stage runs (speculative/rules.py: its
 # registry calls them by these names), so patching them there swaps the rule.
-ACCEPT_STAGE = "specserve.spec.rules"
+ACCEPT_STAGE = "specserve.speculative.rules"
 
 
 def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:

@@ -59,8 +59,8 @@ def _spec_llm(trained: dict, algo: str, **kw) -> LLM:  # noqa: ANN003
     return LLM.from_model(_target(), speculative_draft_model_path=str(trained["artifacts"][algo]), **kw)
 
 
-# the engine-level distribution tests of learned drafters (tests/test_drafters.py) and their negative
-# controls (tests/test_dist_power.py): the first L tokens of N seeded requests against the exact joint
+# the engine-level distribution tests of learned drafters (tests/drafters/test_drafters.py) and their negative
+# controls (tests/speculative/test_dist_power.py): the first L tokens of N seeded requests against the exact joint
 DIST_VOCAB, DIST_LEN, DIST_N = 3, 5, 2500
 DIST_PARAMS = SamplingParams(temperature=6.0, max_tokens=DIST_LEN, top_p=0.95)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from specserve.models.tokenizer import Tokenizer
+from specserve.tokenizer.tokenizer import Tokenizer
 
 EOS = 96
 CHARS = [chr(c) for c in range(0x20, 0x7F)] + ["\n"]  # 95 printable + newline = 96 tokens

@@ -1,4 +1,4 @@
-"""Forward-level fault injection for the NaN/Inf isolation tests (tests/test_forward_poison.py): poison
+"""Forward-level fault injection for the NaN/Inf isolation tests (tests/engine/test_forward_poison.py): poison
 one request's hidden state inside a target forward (a forward hook on a target layer, which runs the
 reference layer loop; or its embedding rows, which keeps the fused loop on) or its cached K/V rows in
 the pool, then drive an engine through a join plan and check that only that request fails.

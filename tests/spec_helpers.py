@@ -84,7 +84,7 @@ def check_stats(eng, reqs) -> None:  # noqa: ANN001
         assert sum(r.spec_accepted_per_pos) == r.spec_accepted_tokens <= r.spec_draft_tokens
         assert all(a >= b for a, b in zip(r.spec_accepted_per_pos, r.spec_accepted_per_pos[1:]))
         assert all(c <= r.spec_verify_ct for c in r.spec_accepted_per_pos)
-        assert r.spec_draft_tokens <= r.spec_verify_ct * eng._lookahead(r)  # forced grammar drafts may exceed K
+        assert r.spec_draft_tokens <= r.spec_verify_ct * eng.draft_stage.lookahead(r)  # forced grammar drafts may exceed K
         # every emitted token is the prefill's first token, a verify's bonus/correction, an accepted
         # draft or a plain-decode token: accepted drafts never exceed what was emitted
         if r.finish_reason != "error":

@@ -5,26 +5,21 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "specserve"
-# package → the packages it must never import (the layers above it)
-ABOVE = {
-    "models": {"cache", "runtime", "parallel", "drafters", "spec", "engine", "server", "train", "bench"},
-    "cache": {"runtime", "parallel", "drafters", "spec", "engine", "server", "train", "bench"},
-    "runtime": {"parallel", "drafters", "spec", "engine", "server", "train", "bench"},
-    "parallel": {"drafters", "spec", "engine", "server", "train", "bench"},
-    "drafters": {"spec", "engine", "server", "bench"},
-    "spec": {"engine", "server", "bench"},
-    "engine": {"server", "bench"},
-}
+# package → the packages it must never import (the layers above it), bottom up
+_LAYERS = ["tokenizer", "formats", "models", "loading", "cache", "runtime", "parallel", "drafters", "cost",
+           "speculative", "engine", "server", "train", "bench"]
+ABOVE = {pkg: set(_LAYERS[i + 1:]) for i, pkg in enumerate(_LAYERS[:-3])}
 
 
-def _imported_packages(path: Path) -> set[str]:
-    """Top-level specserve sub-packages a module imports (absolute or relative, at any depth). Imports under
-    `if TYPE_CHECKING:` are annotations only, no runtime arrow: skipped."""
+def _imported_packages(path: Path, all_imports: bool = False) -> set[str]:
+    """Top-level specserve sub-packages (or top-level modules: config, core, ...) a module imports (absolute or
+    relative, at any depth). Imports under `if TYPE_CHECKING:` are annotations only, no runtime arrow: skipped
+    unless `all_imports`."""
     rel = path.relative_to(PKG).parts
     out: set[str] = set()
     tree = ast.parse(path.read_text(encoding="utf-8"))
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)} if not all_imports else set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
@@ -56,6 +51,32 @@ def test_imports_point_down() -> None:
             if hit:
                 bad.append(f"{path.relative_to(PKG)} imports {sorted(hit)}")
     assert not bad, "\n".join(bad)
+
+
+def test_config_is_plain_data() -> None:
+    """config.py is the ground floor: every layer reads it, and it reads none of them."""
+    assert _imported_packages(PKG / "config.py", all_imports=True) == set()
+
+
+def test_no_circle_between_packages() -> None:
+    """Every import counts here, lazy and annotation-only ones too: no two packages reach each other."""
+    graph: dict[str, set[str]] = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).parts
+        src = rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+        graph.setdefault(src, set()).update(_imported_packages(path, all_imports=True) - {src})
+
+    def reach(a: str) -> set[str]:
+        seen, todo = set(), [a]
+        while todo:
+            for b in graph.get(todo.pop(), ()):
+                if b not in seen:
+                    seen.add(b)
+                    todo.append(b)
+        return seen
+
+    circles = sorted(a for a in graph if a in reach(a) and a != "__init__")
+    assert not circles, f"packages on an import circle: {circles}"
 
 
 def test_checker_sees_relative_imports() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import config_from_args
+from ..flags import config_from_args
 from ..core import SamplingParams
 from .common import add_prompt_args, record, workloads
 from .metrics import acceptance
@@ -44,7 +44,7 @@ def run(a: argparse.Namespace) -> dict:
     print(f"wrote {path}")
     art = getattr(llm.engine.drafter, "path", None)
     if a.update_card and art is not None and "T=0.0" in results:
-        from ..train.evaluate import update_card
+        from ..drafters.card import update_card
 
         tau = {w: round(r["accept_length"], 3) for w, r in results["T=0.0"].items()}
         update_card(art, tau, "specserve bench accept " + " ".join(sys.argv[3:]))

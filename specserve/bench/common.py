@@ -9,7 +9,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from ..config import EngineConfig, add_engine_args, parse_field
+from ..config import EngineConfig, parse_field
+from ..flags import add_engine_args
 from .machine import machine_info
 from .workloads import WORKLOADS, Messages, from_jsonl, load
 

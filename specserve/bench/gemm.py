@@ -58,7 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 @torch.inference_mode()
 def run(a: argparse.Namespace) -> None:
-    from ..models.quant import BlockQuantWeight, Int4Weight, quantize_blocks
+    from ..formats.quant import BlockQuantWeight, Int4Weight, quantize_blocks
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..config import add_engine_args, config_from_args
+from ..flags import add_engine_args, config_from_args
 from ..core import SamplingParams
 from .common import record
 from .workloads import load

@@ -62,7 +62,7 @@ def llama_cpp_logits(model_name: str, ids: list[int], threads: int) -> torch.Ten
     """llama.cpp's logits [len(ids), V] for the same sequence on the same GGUF (its own arithmetic)."""
     from llama_cpp import Llama
 
-    from ..models.loader import resolve_model_path
+    from ..loading.checkpoint import resolve_model_path
 
     llm = Llama(model_path=str(resolve_model_path(model_name)), n_ctx=len(ids) + 16, n_batch=512, logits_all=True,
                 n_threads=threads, verbose=False)
@@ -79,7 +79,7 @@ def compare(ref: torch.Tensor, logits: torch.Tensor, ids: list[int]) -> dict[str
 
 
 def build(model_name: str, mode: str):  # noqa: ANN201
-    from ..models import build_model
+    from ..loading.pipeline import build_model
 
     mode = mode.removesuffix("-kvbf16")
     dtype = torch.bfloat16 if mode.endswith("bfloat16") or mode.endswith("bf16") else torch.float32

@@ -65,7 +65,7 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
             return out
         weight_bytes, meta = cfg["file_weight_bytes"], {}
     else:
-        from specserve.config import config_from_args
+        from specserve.flags import config_from_args
         from specserve.core import SamplingParams
         from specserve.engine.llm import LLM
 
@@ -122,7 +122,7 @@ def _nbytes(w: Any) -> int:
 
 
 def file_weight_bytes(path: str) -> int:
-    from ..models.gguf_file import GGUFFile
+    from ..formats.gguf_file import GGUFFile
 
     return sum(t.n_bytes for t in GGUFFile(path).tensors if t.name != "token_embd.weight")
 
@@ -130,9 +130,9 @@ def file_weight_bytes(path: str) -> int:
 def run(a: argparse.Namespace) -> dict:
     import torch
 
-    from ..models.gguf_file import GGUFFile
-    from ..models.loader import resolve_model_path
-    from ..models.tokenizer import Tokenizer
+    from ..formats.gguf_file import GGUFFile
+    from ..loading.checkpoint import resolve_model_path
+    from ..tokenizer.tokenizer import Tokenizer
     from .common import config_args, record, workloads
 
     path = str(resolve_model_path(a.model or "smollm2-135m"))

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from ..config import config_from_args
+from ..flags import config_from_args
 from ..core import SamplingParams
 from .common import add_prompt_args, config_args, record, workloads
 
@@ -59,7 +59,7 @@ def _engines(a: argparse.Namespace) -> dict[str, Any]:
 def _hf_runners(a: argparse.Namespace, dtype: torch.dtype) -> dict[str, Callable[[list[list[int]], int], None]]:
     import transformers
 
-    from ..models.loader import resolve_model_path
+    from ..loading.checkpoint import resolve_model_path
 
     def load(name: str):  # noqa: ANN202
         path = resolve_model_path(name)
@@ -93,7 +93,7 @@ def _llama_cpp_runner(a: argparse.Namespace) -> dict[str, Callable[[list[list[in
     except ImportError:
         print("llama-cpp-python not installed: skipping the llama.cpp baseline")
         return {}
-    from ..models.loader import resolve_model_path
+    from ..loading.checkpoint import resolve_model_path
 
     llm = Llama(model_path=str(resolve_model_path(a.model or "smollm2-135m")), n_ctx=4096, n_threads=torch.get_num_threads(),
                 verbose=False)

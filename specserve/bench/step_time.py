@@ -21,7 +21,7 @@ ATTENTION = ("attention", "index_copy", "index", "softmax", "baddbmm", "_efficie
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from ..config import add_engine_args
+    from ..flags import add_engine_args
 
     p.add_argument("model", nargs="?", default=None, help="target (default smollm2-135m)")
     p.add_argument("--context", type=int, nargs="+", default=[256],
@@ -98,7 +98,7 @@ def measure(engine, n_new: int, ctx: int, repeats: int) -> dict:  # noqa: ANN001
 
 
 def run(a: argparse.Namespace) -> dict:
-    from ..config import config_from_args
+    from ..flags import config_from_args
     from ..engine.llm import LLM
 
     a.speculative_algorithm = None

@@ -11,13 +11,13 @@ import argparse
 import statistics
 import time
 
-from ..config import config_from_args
+from ..flags import config_from_args
 from ..core import Proposal, Request, SamplingParams
 from .common import record
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from ..config import add_engine_args
+    from ..flags import add_engine_args
 
     p.add_argument("model", nargs="?", default=None, help="target (default smollm2-135m)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 8, 16, 32])
@@ -40,7 +40,7 @@ def _batch(engine, bs: int, ctx: int, windows: list[int]) -> tuple[list[Request]
 
 def run(a: argparse.Namespace) -> dict:
     from ..engine.llm import LLM
-    from ..spec.verify import verify
+    from ..speculative.verify import verify
 
     a.speculative_algorithm = None
     engine = LLM.from_config(config_from_args(a, a.model)).engine

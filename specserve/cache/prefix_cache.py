@@ -6,7 +6,7 @@ request's hold becomes the entry's first reference), is shared by reference coun
 when its last holder lets go (`release`) it stays cached, free, in an LRU that the allocator evicts,
 oldest first, only when it has no free page left (`evict`: the cache is the allocator's reclaimer).
 
-NOTE (invariants, tests/test_prefix_cache.py):
+NOTE (invariants, tests/cache/test_prefix_cache.py):
   - a page with a reference is never evicted; only pages in the LRU (reference 0) are;
   - every page is in exactly one of: the allocator's free list, a request's private pages, the cache;
   - only full pages of committed tokens are inserted (a page past committed_len may hold rejected

@@ -50,7 +50,7 @@ class StatePool:
 
     def batch(self, slots: list[int], keep_rows: bool = False, parents: list[list[int]] | None = None) -> StateBatch:
         """The StateBatch of one forward reading `slots`. parents (trees): per request the parent of each
-        draft (spec/tree.py: −1 = the root, row 0), so row i + 1 follows row parents[i] + 1."""
+        draft (speculative/tree.py: −1 = the root, row 0), so row i + 1 follows row parents[i] + 1."""
         packed = None
         if parents is not None:
             packed = torch.tensor([x for p in parents for x in [-1] + [q + 1 for q in p]], dtype=torch.long)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..core import Proposal, Request
+from ..core import DraftPlan, Proposal, Request
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -53,15 +53,17 @@ class Drafter(ABC):
     sources: tuple[str, ...] = ("draft",)
 
     def draft_source(self, req: Request) -> str:
-        """Which of `sources` would draft for `req` this step (decided from committed tokens only)."""
+        """Which of `sources` would draft for `req` this step (decided from committed tokens only: the draft
+        stage asks before drafting and hands the answer back in the plan)."""
         return self.sources[-1]
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         """(request, start, num_tokens) target prefill chunks just run. Default: nothing to build."""
 
     @abstractmethod
-    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
-        """Draft at most window[b] tokens for reqs[b] (fewer, even zero, is always allowed)."""
+    def propose(self, reqs: list[Request], plan: DraftPlan) -> Proposal:
+        """Draft at most plan.windows[b] tokens for reqs[b] from source plan.sources[b] (fewer, even zero, is
+        always allowed)."""
 
     def commit(self, reqs: list[Request], num_accepted: list[int], feats: list[torch.Tensor] | None = None) -> None:
         """Target committed num_accepted[b] drafts + 1 token for reqs[b]."""
@@ -109,7 +111,7 @@ CAP_FLAGS = {"block": ("speculative_block_size", "speculative_dspark_block_size"
               "samples": ("speculative_greedy_draft",),
               "draft_model": ("speculative_draft_model_path", "speculative_draft_dtype")}
 TREE_STEPS, TREE_NODES = 4, 8  # EAGLE-2 tree defaults: depth, nodes besides the root
-#: what AUTO resolves to (spec/resolve.py), first choice first: NGRAM over the corpus n-gram table shipped for
+#: what AUTO resolves to (speculative/resolve.py), first choice first: NGRAM over the corpus n-gram table shipped for
 #: the target (prompt lookup, else the table: microseconds per draft), else HYBRID over the shipped DSpark
 #: (prompt lookup, else the learned drafter); each source gated on its own by `cost`. The flags of both apply;
 #: --speculative-draft-model-path (a HYBRID flag) picks HYBRID over that drafter or draft model.
@@ -206,8 +208,8 @@ def capabilities(algorithm: str) -> Capabilities:
 
 def default_window(algorithm: str) -> str:
     """The verify-window policy of an algorithm when --speculative-window is not given. AUTO: cost
-    (NOTE: with the fixed window DSpark's full block costs more than it returns on CPU, 0.46-0.66x
-    plain at batch 1-32; the cost policy measured 1.00-1.05x at every batch size)."""
+    (NOTE: with the fixed window a learned block drafter's full block costs more than it returns on a CPU;
+    docs/benchmarks.md, "The cost policy's constants")."""
     return "cost" if algorithm == "AUTO" else capabilities(algorithm).default_window
 
 
@@ -219,7 +221,7 @@ def create_drafter(name: str, ctx: "DrafterContext") -> Drafter:
 
 def validate_flags(c: "EngineConfig") -> None:
     """Refuse, naming the flag, every option the chosen algorithm would silently ignore (the acceptance rule
-    and K/depth/block are checked with the rest of the speculative settings: spec/resolve.py)."""
+    and K/depth/block are checked with the rest of the speculative settings: speculative/resolve.py)."""
     def flag(name: str) -> str:
         return name.replace("_", "-")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import Proposal, Request
+from ..core import DraftPlan, Proposal, Request
 from .artifact import is_drafter_artifact, learned_artifact, learned_factory, read_config
 from .base import AUTO_ARTIFACT, Capabilities, Drafter, register_drafter
 from .context import DrafterContext
@@ -39,13 +39,15 @@ class HybridDrafter(Drafter):
         self.learned.prefill(chunks, feats)
 
     def draft_source(self, req: Request) -> str:
-        return "lookup" if req.draft_off or self.lookup(req, 1) else "learned"  # draft_off: the draft model's off
+        return "lookup" if self.lookup(req, 1) else "learned"
 
-    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
-        # NOTE: the engine set r.draft_source = draft_source(r) this step, on the same committed context
-        found = [self.lookup(r, w) if r.draft_source == "lookup" else [] for r, w in zip(reqs, window)]
-        rest = [0 if f else w for f, w in zip(found, window)]
-        parts = (self.learned.propose(reqs, rest) if any(rest) else Proposal.empty(len(reqs))).split()
+    def propose(self, reqs: list[Request], plan: DraftPlan) -> Proposal:
+        # NOTE: plan.sources is draft_source's answer this step, on the same committed context ("lookup" also
+        # where the draft stage turned a draft model off: no match then drafts nothing)
+        found = [self.lookup(r, w) if s == "lookup" else [] for r, s, w in zip(reqs, plan.sources, plan.windows)]
+        rest = [w if s == "learned" else 0 for s, w in zip(plan.sources, plan.windows)]
+        inner = DraftPlan([self.learned.sources[-1]] * len(reqs), rest)
+        parts = (self.learned.propose(reqs, inner) if any(rest) else Proposal.empty(len(reqs))).split()
         for b, f in enumerate(found):
             if f:
                 parts[b] = Proposal([f])

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..cache.kv_pool import KVPool
-from ..core import Proposal, Request
+from ..core import DraftPlan, Proposal, Request
 from ..runtime.sampling import expected_q, grammar_allowed, sample, target_logits
 from .base import Drafter
 from .context import DrafterContext
@@ -116,14 +116,14 @@ class LearnedDrafter(Drafter):
     def _new_state(self) -> FeatState:
         return FeatState()
 
-    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+    def propose(self, reqs: list[Request], plan: DraftPlan) -> Proposal:
         """NOTE: retry-safe. A batched propose that raises is retried one request at a time
         (runtime/isolate.py), but its catch-up may already have consumed pending features and
         advanced `done` before the failure: both are restored, so the retry rebuilds the same rows
         (rewriting draft KV slots with the values they already hold). The engine restores generators."""
         saved = {r.request_id: (st.done, list(st.pending)) for r in reqs if (st := self.state.get(r.request_id))}
         try:
-            return self._propose(reqs, window)
+            return self._propose(reqs, plan.windows)
         except Exception:
             for rid, (done, pending) in saved.items():
                 if rid in self.state:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import Proposal, Request
+from ..core import DraftPlan, Proposal, Request
 from .base import Capabilities, Drafter, register_drafter
 from .context import DrafterContext
 from .ngram_table import NgramTable, shipped_table
@@ -101,13 +101,13 @@ class NgramDrafter(Drafter):
             return self.sources[-1]
         return "lookup" if self.lookup(req, 1) else "table"
 
-    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
+    def propose(self, reqs: list[Request], plan: DraftPlan) -> Proposal:
         if self.table is None:
-            return Proposal(tokens=[self.lookup(r, w) for r, w in zip(reqs, window)])
+            return Proposal(tokens=[self.lookup(r, w) for r, w in zip(reqs, plan.windows)])
         tokens: list[list[int]] = []
         conf: list[torch.Tensor | None] = []
-        for r, w in zip(reqs, window):
-            if r.draft_source == "lookup":  # NOTE: set by the engine this step, on the same committed context
+        for r, s, w in zip(reqs, plan.sources, plan.windows):
+            if s == "lookup":  # NOTE: draft_source's answer this step, on the same committed context
                 t = self.lookup(r, w)
                 # a short continuation (its match is recent) is extended from the table: +0.09 τ on HumanEval
                 ext, c = self.table.draft(r.all_ids + t, w - len(t), self.floor) if len(t) < w else ([], [])

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache.kv_pool import KVPool, OutOfPages
-from ..core import Proposal, Request
+from ..core import DraftPlan, Proposal, Request
 from ..runtime.runner import ModelRunner
 from ..runtime.sampling import expected_q, grammar_allowed, sample, target_logits
 from ..models.forward_batch import RowStates, StateBatch
@@ -72,16 +72,17 @@ class StandaloneDrafter(Drafter):
         if self.prefix is not None:
             st.cached = self.prefix.insert(req, st.page_table, st.done, st.cached)
 
-    def _st(self, req: Request) -> _DraftState:
+    def _st(self, req: Request, slot: bool = True) -> _DraftState:
+        """req's draft state; with `slot`, a hybrid draft model takes a state slot for it if one is free (not for
+        a request it does not draft for: the draft stage skips those, or gives them no window)."""
         st = self.state.setdefault(req.request_id, _DraftState())
-        if self.runner.states is not None and st.slot is None and not req.draft_off and self.runner.states.num_free:
+        if slot and self.runner.states is not None and st.slot is None and self.runner.states.num_free:
             st.slot, st.done = self.runner.states.alloc(), 0  # a fresh slot: catch up from the start
         return st
 
-    def _ready(self, req: Request, st: _DraftState) -> bool:
-        """Not for a request the engine turned the draft model off for (req.draft_off); a hybrid draft model
-        drafts only for requests holding a state slot (else: plain decoding)."""
-        return not req.draft_off and (self.runner.states is None or st.slot is not None)
+    def _ready(self, st: _DraftState) -> bool:
+        """A hybrid draft model drafts only for requests holding a state slot (else: plain decoding)."""
+        return self.runner.states is None or st.slot is not None
 
     def _states(self, sts: list[_DraftState], keep_rows: bool) -> StateBatch | None:
         pool = self.runner.states
@@ -104,7 +105,7 @@ class StandaloneDrafter(Drafter):
         todo = []
         for req, start, n in chunks:
             st = self._st(req)
-            if st.done != start or not self._ready(req, st):
+            if st.done != start or not self._ready(st):
                 continue  # out of step (e.g. after a draft OOM): propose catches up lazily
             try:
                 self.kv.ensure(st.page_table, start + n)
@@ -138,16 +139,16 @@ class StandaloneDrafter(Drafter):
             return tok, None, float(q[tok])  # deterministic: verified one-hot
         return sample(q, req.generator), q, float(expected_q(q))
 
-    def propose(self, reqs: list[Request], window: list[int]) -> Proposal:
-        B = len(reqs)
+    def propose(self, reqs: list[Request], plan: DraftPlan) -> Proposal:
+        B, window = len(reqs), plan.windows
         tokens: list[list[int]] = [[] for _ in range(B)]
         qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
         conf: list[list[float]] = [[] for _ in range(B)]
         live = [1.0] * B  # cumulative confidence
         active = []
         for b, (req, w) in enumerate(zip(reqs, window)):
-            st = self._st(req)
-            if w <= 0 or not self._ready(req, st):
+            st = self._st(req, slot=w > 0)
+            if w <= 0 or not self._ready(st):
                 continue
             try:
                 self.kv.ensure(st.page_table, req.seq_len + w - 1)
@@ -176,8 +177,8 @@ class StandaloneDrafter(Drafter):
                     pending[b] = [tok]
                     still.append(b)
             active = still
-        for b, req in enumerate(reqs):
-            st = self._st(req)
+        for req in reqs:
+            st = self.state[req.request_id]
             st.written = st.done
         q_out = [torch.stack(q) if q and len(q) == len(t) else None for q, t in zip(qs, tokens)]
         return Proposal(tokens=tokens, q=q_out if any(q is not None for q in q_out) else None,
@@ -217,13 +218,15 @@ def load_draft_model(ctx: DrafterContext) -> "LlamaModel":
     tokenizer as the target's, and not bigger than it. Quantized like the target when its dtype is the one the
     quantization mode runs in; its LM head reduced to --speculative-draft-vocab (default: the vocabulary shipped
     for the tokenizer, if any)."""
-    from ..models import build_model, resolve_dtype
-    from ..models.loader import peek_checkpoint
+    from ..loading.checkpoint import open_checkpoint
+    from ..loading.pipeline import build_model
+    from ..models import resolve_dtype
     from .draft_vocab import resolve_draft_vocab
 
     c = ctx.config
     path = c.speculative_draft_model_path
-    cfg, tok = peek_checkpoint(path)
+    ckpt = open_checkpoint(path)
+    cfg, tok = ckpt.cfg, ckpt.tokenizer
     ctx.check_same_vocab(tok, cfg)
     if cfg.num_params > ctx.target.cfg.num_params:
         raise ValueError(f"--speculative-draft-model-path {path}: the draft ({cfg.num_params / 1e9:.3f}B parameters) "
@@ -231,7 +234,7 @@ def load_draft_model(ctx: DrafterContext) -> "LlamaModel":
     dtype = ctx.draft_dtype(ctx.target.dtype)
     quant = c.quantization if c.quantization and dtype == resolve_dtype("auto", c.quantization) else None
     ids = resolve_draft_vocab(c.speculative_draft_vocab or "auto", tok, cfg.vocab_size)
-    model, _ = build_model(path, dtype, quant, head_rows=None if ids is None else torch.from_numpy(ids))
+    model, _ = build_model(ckpt, dtype, quant, head_rows=None if ids is None else torch.from_numpy(ids))
     return model
 
 

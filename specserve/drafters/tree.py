@@ -11,22 +11,40 @@ puts the (earlier-generated) parent first on ties, so the selection is a connect
 best-first order is topological: any prefix of it is a tree too (window policies cut prefixes).
 Draft K/V of beam nodes sit past the anchor (depth d at slots seq_len + (d−1)·k ..), beyond
 `done`: the next round's rows overwrite them. Children are the draft's top-k, so they are
-deterministic and verified by the tree walk (spec/rules.py `walk_tree`), lossless at any temperature.
+deterministic and verified by the tree walk (speculative/rules.py `walk_tree`), lossless at any temperature.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
 import torch
 
 from ..core import Proposal, Request
+from .learned import FeatState
+from .nets import DraftNet
 
-if TYPE_CHECKING:
-    from .eagle3 import ChainDrafter
+
+class ChainRuntime(Protocol):
+    """What a tree expansion needs of the chain drafter that runs it (eagle3.py's ChainDrafter)."""
+
+    topk: int
+    steps: int
+    max_pos: int
+    stop_below: float
+    net: DraftNet
+
+    def _st(self, req: Request) -> FeatState: ...
+
+    def root_rows(self, reqs: list[Request], window: list[int],
+                  room: Callable[[int], int]) -> tuple[list[tuple[int, int]], torch.Tensor | None]: ...
+
+    def forward_rows(self, sts: list[FeatState], toks: list[list[int]], h: torch.Tensor, slot_starts: list[int],
+                     seq_lens: list[int], positions: list[list[int]] | None = None,
+                     masks: list[torch.Tensor] | None = None, catch_up: bool = False) -> torch.Tensor: ...
 
 
-def draft_tree(d: "ChainDrafter", reqs: list[Request], window: list[int]) -> Proposal:
+def draft_tree(d: ChainRuntime, reqs: list[Request], window: list[int]) -> Proposal:
     """Per request a tree of at most window[b] nodes (tokens, parents, per-node draft probability)."""
     k, D = d.topk, min(d.steps, max(window))  # a tree of w nodes is at most w deep
     window = [w if r.seq_len + D <= d.max_pos else 0 for r, w in zip(reqs, window)]

@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from ..config import EngineConfig
 from ..core import Completion, Request, RequestOutput, SamplingParams
+from .build import build_engine
 from .engine import Engine
 
 Prompt = str | list[int]
@@ -42,7 +43,7 @@ class LLM:
         self._attach(EngineConfig.from_sources({"model": model, **options}), None, None)
 
     def _attach(self, config: EngineConfig, model: Any, tokenizer: Any) -> None:
-        self.engine = Engine(config, model=model, tokenizer=tokenizer)
+        self.engine = build_engine(config, model, tokenizer)
         self.config = self.engine.config  # AUTO resolved to the drafter actually used
         self.tokenizer = self.engine.tokenizer
 

@@ -17,10 +17,10 @@ from .config import ModelConfig
 from . import fused
 from .forward_batch import ForwardBatch
 from .embedding import GGUFEmbedding
-from .quant import BlockQuantWeight, linear
+from ..formats.quant import BlockQuantWeight, linear
 
 if TYPE_CHECKING:
-    from ..parallel.comm import TensorParallel
+    from .tp import TensorParallel
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

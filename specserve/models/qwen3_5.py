@@ -6,7 +6,7 @@ weight at load), attention has an output gate (q_proj emits [q | gate] per head;
 q/k RMS-normed per head, RoPE on the first head_dim · partial_rotary_factor dims only. Recurrent layers
 keep their state in a `StatePool` slot per request (cache/state_pool.py), attention layers in the
 paged KV pool. A forward reads the slots and returns the new states (`fb.states`); it never writes
-them: the commit stage picks the accepted row's state (spec/commit.py, CommitState).
+them: the commit stage picks the accepted row's state (speculative/commit.py, CommitState).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 def start_tensor_parallel(config: EngineConfig, mcfg: ModelConfig) -> TPDriver:
     """Rank 0 of --tp-size ranks: workers hold the other shards. The unsharded model stays with the engine
     for what drafters share with the target (embedding, head, norm) and for the tokenizer."""
-    from ..models.loader import resolve_model_path
+    from ..loading.checkpoint import resolve_model_path
     from .driver import TPDriver
     from .shard import Layout
 

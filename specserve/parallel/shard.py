@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..models.config import ModelConfig
-from ..models.gguf_blocks import BlockCodes
+from ..formats.gguf_blocks import BlockCodes
 
 GROUP = 32
 

@@ -23,8 +23,8 @@ from ..cache.kv_pool import KVPool
 from ..config import EngineConfig
 from ..runtime.runner import ModelRunner
 from ..models import model_class, resolve_dtype
-from ..models.loader import load_checkpoint
-from ..models.quant import quantize_model
+from ..loading.checkpoint import load_checkpoint
+from ..formats.quant import quantize_model
 from .comm import TensorParallel
 from .shard import Layout, shard_checkpoint
 

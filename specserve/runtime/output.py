@@ -11,7 +11,7 @@ import torch
 
 from ..core import Request
 from ..grammar.backend import GrammarError
-from ..models.tokenizer import IncrementalDetokenizer
+from ..tokenizer.tokenizer import IncrementalDetokenizer
 from .sampling import token_logprobs
 
 

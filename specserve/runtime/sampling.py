@@ -65,7 +65,7 @@ def target_logits(
 def grammar_allowed(req: Request, drafts: list[int]) -> torch.Tensor | None:
     """Drafters: the tokens the request's grammar allows after its output + `drafts` (bool [V]), or
     None when unconstrained. NOTE: a drafter that samples must draw from its distribution masked by
-    this (spec/grammar.py), so that q is what the draft was drawn from and every draft is valid."""
+    this (speculative/grammar.py), so that q is what the draft was drawn from and every draft is valid."""
     return None if req.grammar is None else mask_after(req.grammar, drafts)
 
 

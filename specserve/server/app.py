@@ -28,14 +28,14 @@ log = logging.getLogger("specserve.server")
 def create_app(config: EngineConfig, server_config: ServerConfig | None = None,
                engine_factory: Callable[[], Any] | None = None,
                on_load_failed: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """`engine_factory` builds the Engine in the engine thread (default: Engine(config)); tests pass
+    """`engine_factory` builds the Engine in the engine thread (default: build_engine(config)); tests pass
     their own to control loading."""
     scfg = server_config or ServerConfig()
     if engine_factory is None:
         def engine_factory() -> Any:
-            from ..engine.engine import Engine
+            from ..engine.build import build_engine
 
-            return Engine(config)
+            return build_engine(config)
 
     name = scfg.served_model_name or default_model_name(config.model)
     metrics = Metrics(name)

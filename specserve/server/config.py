@@ -6,7 +6,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from ..config import EngineConfig, _f, add_engine_args
+from ..config import EngineConfig, _f
+from ..flags import add_engine_args
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .. import __version__
-from ..spec.accept import choose_rule
-from .common import SSE_DONE, SSE_HEADERS, Server, check_api_key, collect, deltas, encode_prompts, expand, render_chat, \
-    server, sse, submit
+from ..speculative.accept import choose_rule
+from .common import (SSE_DONE, SSE_HEADERS, Server, check_api_key, collect, deltas, encode_prompts, expand,
+                     render_chat, server, sse, submit)
 from .protocol import DetokenizeRequest, GenerateRequest, RequestError, TokenizeRequest
 from .text import TextStream, finite, token_str
 
@@ -117,7 +117,7 @@ async def server_info(request: Request) -> Any:
     eng = srv.engine.engine if srv.engine.ready else None
     if eng is not None:
         info["resolved"] = {
-            "dtype": str(eng.dtype).replace("torch.", ""), "device": str(eng.model.embed.device),
+            "dtype": str(eng.model.dtype).replace("torch.", ""), "device": str(eng.model.embed.device),
             "max_model_len": eng.max_model_len, "vocab_size": eng.model.cfg.vocab_size,
             "architecture": eng.model.cfg.architecture, "kv_pages": eng.kv.allocator.num_pages,
             "page_size": eng.kv.page_size, "kv_slots": eng.kv.num_slots,

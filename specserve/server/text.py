@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from ..core import TokenLogprob
-from ..models.tokenizer import IncrementalDetokenizer
+from ..tokenizer.tokenizer import IncrementalDetokenizer
 
 
 class TextStream:

@@ -23,9 +23,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> None:
-    from ..models.gguf_file import GGUFFile
-    from ..models.loader import resolve_model_path
-    from ..models.tokenizer import Tokenizer
+    from ..formats.gguf_file import GGUFFile
+    from ..loading.checkpoint import resolve_model_path
+    from ..tokenizer.tokenizer import Tokenizer
     from .corpus import corpus
 
     path = resolve_model_path(a.model)

@@ -19,7 +19,8 @@ import torch
 
 from ..drafters.artifact import build_net, save_drafter
 from ..drafters.nets import ALGORITHMS, DraftNet, DrafterConfig, dense_head
-from ..models import build_model, resolve_dtype
+from ..loading.pipeline import build_model
+from ..models import resolve_dtype
 from .data import FeatureCapture, load_responses, regenerate, to_sequences, with_features
 from .loop import HeldOut, train
 from .prefill import features_dir, heldout_set, precision, run_features
@@ -235,7 +236,8 @@ def _finish(a, net, cfg, source, eval_recs, last, heldout) -> Path:  # noqa: ANN
     path (= serving τ at T = 0), served through the engine on the regenerated path."""
     import dataclasses
 
-    from .evaluate import evaluate, model_card, train_command
+    from .evaluate import evaluate, train_command
+    from ..drafters.card import model_card
 
     out = Path(a.out)
     training = dict(source, steps=a.steps, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len,

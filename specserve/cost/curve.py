@@ -1,0 +1,142 @@
+"""The `cost` policy's step-cost curve: t(n), seconds of one decode step that verifies n packed tokens,
+measured densely for n = 1..17 (where the windows of small batches fall) and sparser beyond, cached per machine,
+then corrected online from the real steps (`observe`): a forward at context 128 is not the step the engine
+runs (longer contexts, sampling, commit), so the offline curve alone underprices verify tokens and batches.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+#: bumped when CostModel.measure changes (3: ascending sizes, medians of 5, non-decreasing)
+CURVE_VERSION = 3
+#: a cached curve whose t(n) at a probe size differs from a fresh timing by more than this share is measured again
+STALE = 0.3
+PROBE_SIZES = (1, 5)
+#: the hull (cost_windows' guide) is rebuilt after this many online corrections of the curve, not after each
+HULL_EVERY = 32
+#: verify sizes the cost curve is measured at: every n up to 17, then sparser
+COST_SIZES = tuple(range(1, 18)) + (24, 32, 48, 64)
+
+
+@dataclass
+class CostModel:
+    """t(n): seconds of one target forward over n packed tokens, piecewise linear between points."""
+
+    points: list[tuple[int, float]]
+    _observed: int = field(default=0, repr=False, compare=False)  # online corrections since the hull was built
+
+    def __call__(self, n: int) -> float:
+        pts = self.points
+        if n <= pts[0][0]:
+            return pts[0][1]
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+            if n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
+
+    def observe(self, n: int, seconds: float, rate: float = 0.05) -> None:
+        """Move the curve towards a real step's time at n tokens (the two points around n, by their share of
+        the interpolation); n beyond the last point teaches nothing."""
+        pts = self.points
+        for i, (n1, t1) in enumerate(pts):
+            if n <= n1:
+                if n == n1 or i == 0:
+                    shares = [(i, 1.0)]
+                else:
+                    n0 = pts[i - 1][0]
+                    shares = [(i - 1, (n1 - n) / (n1 - n0)), (i, (n - n0) / (n1 - n0))]
+                # NOTE: a step's time has outliers (a stall, a page fault): each pulls the curve by at most 20%
+                # of its value, so the curve tracks the typical step, not the mean of a heavy tail
+                t = self(n)
+                err = min(max(seconds - t, -0.2 * t), 0.2 * t)
+                for j, w in shares:
+                    pts[j] = (pts[j][0], pts[j][1] + rate * w * err)
+                self._observed += 1
+                if self._observed >= HULL_EVERY:  # NOTE: a guide a few steps stale is fine; one per step is work
+                    self._observed = 0
+                    self.__dict__.pop("hull", None)  # recomputed at its next use
+                return
+
+    @cached_property
+    def hull(self) -> "CostModel":
+        """The lower convex hull of the points: over a step of the curve, the cost per added token averaged
+        across the step (cost_windows' guide; computed once per curve, not per decode step)."""
+        h: list[tuple[int, float]] = []
+        for x, y in self.points:
+            # drop the last point while it lies on or above the chord from the one before it to (x, y)
+            while len(h) >= 2 and (h[-1][1] - h[-2][1]) * (x - h[-2][0]) >= (y - h[-2][1]) * (h[-1][0] - h[-2][0]):
+                h.pop()
+            h.append((x, y))
+        return CostModel(h)
+
+    @staticmethod
+    def measure(runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = 5, ctx: int = 128) -> "CostModel":  # noqa: ANN001
+        """Time forwards of n new tokens over a `ctx`-token context: the median of `repeats` after a warm-up,
+        size by size in ascending order. NOTE: not interleaved: a small forward timed right after a large one
+        measured 1.5 ms slower than a decode step really costs (SmolLM2 w4a8, Xeon: the large ones use AMX).
+        A forward over more tokens never costs less, so a size measured above a larger one is lowered to it."""
+        kv = runner.kv
+        med: dict[int, float] = {}
+        for n in sizes:
+            pt: list[int] = []
+            try:
+                kv.ensure(pt, ctx + n)
+            except Exception:  # noqa: BLE001 - pool too small for this size: stop measuring
+                kv.release(pt)
+                break
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up
+                t = time.perf_counter()
+                runner.forward([pt], [ctx], [[0] * n], [list(range(n))])
+                times.append(time.perf_counter() - t)
+            kv.release(pt)
+            med[n] = sorted(times[1:])[len(times[1:]) // 2]
+        pts, low = [], float("inf")
+        for n in sorted(med, reverse=True):  # running minimum from the largest size down
+            low = min(low, med[n])
+            pts.append((n, low))
+        pts.reverse()
+        return CostModel(pts if len(pts) > 1 else pts + [(pts[0][0] + 1, pts[0][1])])
+
+    @classmethod
+    def cached(cls, runner, key: str, cache_dir: Path | None = None) -> "CostModel":  # noqa: ANN001
+        """Measured once per model/dtype/threads on this machine and cached as JSON."""
+        cache_dir = cache_dir or Path.home() / ".cache" / "specserve" / "cost"
+        # NOTE: the measuring method's version in the name: curves cached by an older method are not reused
+        path = cache_dir / f"{key}-t{torch.get_num_threads()}-curve{CURVE_VERSION}.json"
+        if path.exists():
+            cached = cls([tuple(p) for p in json.loads(path.read_text())])
+            # NOTE: a curve measured while something else loaded the machine (or before the VM changed speed)
+            # is wrong for as long as it is cached (too dear at one size, it verifies those windows far less often
+            # than they pay). A decode step and a batch-1 verify of 4 drafts are timed at every start (~70 ms);
+            # either off by > STALE, the curve is re-measured.
+            now = cls.measure(runner, sizes=PROBE_SIZES)
+            if all(abs(now(n) - cached(n)) <= STALE * cached(n) for n in PROBE_SIZES):
+                return cached
+        model = cls.measure(runner)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(model.points))
+        return model
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+

@@ -1,0 +1,66 @@
+"""Build an engine: the config checked and made concrete, then its parts in the order the memory budget is
+spent: target → recurrent-state pool (hybrid targets) → drafter (its KV pool reserved first) → the target's KV
+pool from what is left, and its runner (tensor-parallel: rank 0's) → the window policy, which measures both."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..cache.budget import KVBudget
+from ..cache.kv_pool import KVPool, parse_memory
+from ..config import EngineConfig
+from ..cost.policy import make_policy, policies
+from ..drafters.base import create_drafter
+from ..drafters.context import DrafterContext
+from ..loading.checkpoint import open_checkpoint
+from ..loading.pipeline import build_model, default_quantization
+from ..models import LlamaModel, resolve_dtype, resolve_kv_dtype
+from ..parallel import start_tensor_parallel
+from ..runtime.runner import ModelRunner
+from ..speculative.resolve import check_config, resolve_config, resolve_settings
+from .engine import Engine, EngineParts
+
+
+def build_engine(config: EngineConfig, model: LlamaModel | None = None, tokenizer: Any = None) -> Engine:
+    """An engine for `config`; `model` (with its tokenizer): an already-built target instead of a checkpoint load."""
+    config = check_config(config)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    # NOTE: made concrete first: the drafter, the cost curve's cache key and meta read config.quantization
+    if model is None:
+        ckpt = open_checkpoint(config.model)
+        config = replace(config, quantization=default_quantization(ckpt, config.dtype, config.quantization))
+        model, tokenizer = build_model(ckpt, resolve_dtype(config.dtype, config.quantization), config.quantization,
+                                       parse_memory(config.kv_cache_memory))
+    elif config.quantization == "none":
+        config = replace(config, quantization=None)
+    mcfg = model.cfg
+    config = resolve_config(config, mcfg)  # AUTO and the default window made concrete
+    max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, model.dtype)
+    budget = KVBudget(parse_memory(config.kv_cache_memory), mcfg, kv_dtype, config.page_size)
+    # hybrid targets: one recurrent-state slot per request that may run, reserved before any KV
+    states = budget.state_pool(mcfg, model.dtype, config.max_running_requests) if mcfg.is_hybrid else None
+    window = config.speculative_window if config.speculative_algorithm else "fixed"
+    settings = resolve_settings(config, mcfg) if config.speculative_algorithm else None
+    drafter = None
+    if settings:  # NOTE: the drafter reserves its pool before the target's is sized
+        floor = policies()[window].floor_for(config)
+        drafter = create_drafter(config.speculative_algorithm,
+                                 DrafterContext(config, model, tokenizer, budget, settings, floor))
+    tp = start_tensor_parallel(config, mcfg) if config.tp_size > 1 else None
+    # NOTE: under TP each rank's pool holds its KV heads only; rank 0's shard is the largest
+    pages = KVPool.pages_for_budget(tp.model.cfg if tp else mcfg, budget.remaining, config.page_size, kv_dtype)
+    if pages < 1:
+        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory!r} is too small for one KV page of this model")
+    if tp:
+        kv = tp.kv_pool(pages, kv_dtype)
+        runner = tp.runner(kv)
+    else:
+        kv = KVPool(mcfg, pages, config.page_size, kv_dtype)
+        runner = ModelRunner(model, kv, states)
+    policy = make_policy(window, config, runner if drafter else None, drafter)
+    return Engine(EngineParts(config, model, tokenizer, max_model_len, kv, states, runner, drafter, settings,
+                              policy, tp))

@@ -1,0 +1,129 @@
+"""Load a GGUF straight into the quantized model, one tensor at a time, from the memory-mapped file.
+
+No full-precision copy of the model exists at any point: each projection's blocks are read from the map
+and packed for the integer kernel (`BlockQuantWeight`), norms and biases are copied, and the embedding
+table stays in the file's blocks (`GGUFEmbedding`). A type the mode cannot keep exactly is dequantized
+and re-quantized alone, so the transient peak is one matrix, not the model. The dense path
+(`gguf.gguf_weights`: every tensor dequantized to `dtype`) remains for unquantized serving and
+tensor parallelism.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..memory import available_memory_bytes, peak_rss_bytes
+from ..models.embedding import GGUFEmbedding
+from ..formats.gguf_blocks import NATIVE
+from .gguf import hf_name, tensor_shape, unpermute_rotary
+from ..formats.gguf_repack import RawBlocks
+from ..models.llama import LlamaModel
+from .checkpoint import Checkpoint
+from ..formats.quant import check_quantizable, packed_nbytes, quantize_model
+from ..models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+
+class GGUFTensors(Mapping):
+    """HF name → the file's tensor, read on access: `[name]` dequantizes (fp32, q/k rows un-permuted for the
+    llama family), `codes(name)` gives the raw blocks (RawBlocks) or None. Nothing is cached."""
+
+    def __init__(self, reader: Any, num_heads: int, num_kv_heads: int, permuted: bool) -> None:
+        self.reader = reader
+        self.by_name = {n: t for t in reader.tensors if (n := hf_name(t.name)) is not None}
+        self.heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if permuted else {}
+
+    def _rows(self, name: str) -> int | None:
+        """Heads whose rows convert_hf_to_gguf interleaved, for a llama-family q/k weight, else None."""
+        return next((n for p, n in self.heads.items() if f".self_attn.{p}." in name), None)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        t = self.by_name[name]
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(tensor_shape(t))
+        n = self._rows(name)
+        return w if n is None else unpermute_rotary(w, n).contiguous()
+
+    def codes(self, name: str) -> RawBlocks | None:
+        """The file's blocks, unconverted: `quantize_model` packs them straight from the map (C++)."""
+        t = self.by_name.get(name)
+        if t is None:
+            return None
+        qtype, shape = t.tensor_type.name, tensor_shape(t)
+        # float tensors stay dense; other block types are readable (dequantized) but have no exact integer
+        # form: re-quantized alone
+        if qtype not in NATIVE or len(shape) != 2:
+            return None
+        n = self._rows(name)
+        # NOTE: a row permutation moves whole rows, so every block stays exact
+        order = None if n is None else unpermute_rotary(torch.arange(shape[0]), n).contiguous()
+        return RawBlocks(t.data, qtype, shape, order, t.name)
+
+    def release(self, names: list[str]) -> None:
+        """Those tensors are copied out: drop their mapped pages from the RSS (GGUFFile.release)."""
+        for n in names:
+            if n in self.by_name and hasattr(self.reader, "release"):
+                self.reader.release(self.by_name[n])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.by_name)
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+
+def resident_estimate(reader: Any) -> int:
+    """Bytes the loaded model keeps in memory (an upper bound): packed matrices, the mapped embedding
+    blocks, fp32 vectors. Compared with MemAvailable before anything is loaded."""
+    total = 0
+    for t in reader.tensors:
+        shape = tensor_shape(t)
+        if len(shape) == 2 and t.tensor_type.name in ("F32", "F16", "BF16"):  # quantized here, at most 8-bit
+            total += packed_nbytes(shape, 8)
+        elif len(shape) == 2:  # packed formats stay within 15% of the file's bytes (Q4_0: its offsets)
+            total += int(t.n_bytes * 1.15)
+        else:
+            total += 4 * int(np.prod(shape))
+    return total
+
+
+def check_memory(need: int, what: str) -> None:
+    """Refuse before loading when `need` bytes exceed what the OS reports available."""
+    free = available_memory_bytes()
+    if free is not None and need > free:
+        raise MemoryError(f"{what} needs about {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB of memory is "
+                          "available; free memory, lower --kv-cache-memory, or use a smaller model")
+
+
+def load_quantized_gguf(ckpt: Checkpoint, mode: str, dtype: torch.dtype, reserve_bytes: int = 0,
+                        head_rows: torch.Tensor | None = None) -> LlamaModel:
+    """The model with packed projections and a block-stored embedding, for `--quantization mode`.
+    `reserve_bytes`: memory the caller will allocate next (the KV pools), counted in the check.
+    `head_rows`: keep only these rows of the LM head (a draft model's reduced vocabulary)."""
+    t0 = time.perf_counter()
+    path, reader, cfg = ckpt.path, ckpt.reader, ckpt.cfg
+    check_quantizable(cfg, mode)
+    check_memory(resident_estimate(reader) + reserve_bytes,
+                 f"{path.name} ({mode}) with {reserve_bytes / 2**30:.2f} GiB of KV cache")
+    tensors = GGUFTensors(reader, cfg.num_heads, cfg.num_kv_heads, permuted=cfg.architecture == "llama")
+    # NOTE: parameters are torch.empty: their pages are never touched for the matrices swapped out below
+    model = model_class(cfg.architecture)(cfg, dtype)
+    model.load_weights(tensors, matrices=False)
+    quantize_model(model, mode, tensors.codes, dense=tensors.__getitem__, head_rows=head_rows, done=tensors.release)
+    emb = tensors.by_name["model.embed_tokens.weight"]
+    # a dense table in the file, or a tied head left float: the embedding stays a dense parameter
+    if emb.tensor_type.name in ("F32", "F16", "BF16") or model.lm_head is model.embed:
+        model.embed.copy_(tensors["model.embed_tokens.weight"])
+    else:
+        del model.embed  # a registered parameter: drop it before the attribute can hold the block table
+        model.embed = GGUFEmbedding(emb.data, emb.tensor_type, cfg.hidden_size, dtype)
+    log.info("loaded GGUF %s (%s) in %.1f s: %d tensors, %s; peak RSS %.2f GiB", path.name, mode,
+             time.perf_counter() - t0, len(tensors), cfg.architecture, peak_rss_bytes() / 2**30)
+    return model

@@ -1,0 +1,52 @@
+"""Load a model: resolve → open → config → tokenizer (`open_checkpoint`) → weights → pack.
+
+A quantized GGUF streams from the memory-mapped file straight into packed weights (gguf_stream.py); anything
+else reads its weights in a float dtype, then packs them where a quantization mode is asked for."""
+from __future__ import annotations
+
+import torch
+
+from ..formats.quant import check_quantizable, quantize_model
+from ..models.llama import LlamaModel
+from ..models.registry import model_class
+from ..tokenizer.tokenizer import Tokenizer
+from .checkpoint import Checkpoint, open_checkpoint, read_weights
+
+
+def default_quantization(ckpt: Checkpoint, dtype: str, quantization: str | None) -> str | None:
+    """--quantization as given ("none" = unquantized); unset with --dtype auto, a GGUF that stores its
+    projections in 4-bit blocks (Q4_*) is served in w4a8, one in 8-bit blocks (Q8_0) in w8a8: the file's
+    blocks kept exactly, our integer kernel (the fast CPU mode). Anything else, or an explicit --dtype,
+    runs unquantized (exact float)."""
+    if quantization is not None:
+        return None if quantization == "none" else quantization
+    if dtype != "auto":
+        return None
+    kinds = ckpt.tensor_types("ffn_down.weight")
+    return "w4a8" if any(k.startswith("Q4") for k in kinds) else "w8a8" if "Q8_0" in kinds else None
+
+
+def build_model(model: str | Checkpoint, dtype: torch.dtype, quantization: str | None = None, reserve_bytes: int = 0,
+                head_rows: torch.Tensor | None = None) -> tuple[LlamaModel, Tokenizer]:
+    """Load a checkpoint (an opened one, or an HF dir, a .gguf or an alias) into our model class; returns
+    (model, tokenizer). A quantized GGUF is first checked to fit in available memory with `reserve_bytes` (the KV
+    pools to come). `head_rows`: sorted vocab ids the LM head keeps (a draft model's reduced vocabulary)."""
+    ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
+    if quantization and ckpt.is_gguf:
+        from .gguf_stream import load_quantized_gguf
+
+        return load_quantized_gguf(ckpt, quantization, dtype, reserve_bytes, head_rows), ckpt.tokenizer
+    blocks: dict | None = {} if quantization else None  # a GGUF's exact blocks, filled by read_weights
+    if quantization:
+        check_quantizable(ckpt.cfg, quantization)
+    cfg, state_dict = read_weights(ckpt, dtype, blocks)
+    net = model_class(cfg.architecture)(cfg, dtype)
+    net.load_weights(state_dict)
+    del state_dict
+    if quantization:
+        quantize_model(net, quantization, blocks, head_rows=head_rows)
+    elif head_rows is not None:
+        if not isinstance(net, LlamaModel):
+            raise ValueError(f"a reduced draft vocabulary is not supported for {cfg.architecture} draft models")
+        net.restrict_head(head_rows)
+    return net, ckpt.tokenizer

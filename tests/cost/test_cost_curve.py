@@ -1,0 +1,121 @@
+"""The `cost` policy's verify-cost curve: interpolation, online correction, measurement (medians, monotone,
+dense where small windows fall) and its per-machine cache (re-measured when stale)."""
+from __future__ import annotations
+
+import pytest
+
+from specserve.cost.curve import CostModel
+
+from tests.tiny import tiny_model
+
+
+def test_cost_model_interpolates_and_extrapolates() -> None:
+    c = CostModel([(1, 1.0), (3, 2.0), (5, 4.0)])
+    assert c(1) == 1.0 and c(2) == 1.5 and c(4) == 3.0 and c(7) == 6.0 and c(0) == 1.0
+
+
+def test_cost_curve_learns_the_real_step_times() -> None:
+    """Real steps correct the offline curve where they fall (the points around n, by interpolation share);
+    the greedy's hull follows."""
+    curve = CostModel([(1, 1.0), (2, 1.1), (4, 1.3), (64, 4.0)])
+    hull = curve.hull
+    for _ in range(200):
+        curve.observe(2, 1.6)  # the real step at 2 tokens costs 1.6
+        curve.observe(3, 1.9)  # between 2 and 4: half to each
+    assert curve(2) == pytest.approx(1.6, abs=0.05) and curve(3) == pytest.approx(1.9, abs=0.05)
+    assert curve(1) == 1.0 and curve(64) == 4.0  # untouched
+    curve.observe(3, 1.9)
+    assert "hull" not in curve.__dict__ and curve.hull is not hull  # recomputed at its next use
+    cached = curve.hull
+    curve.observe(3, 1.9)
+    assert curve.hull is cached  # not rebuilt after every step: every HULL_EVERY corrections
+    curve.observe(100, 9.0)  # beyond the last point: nothing to learn
+    assert curve(64) == 4.0
+
+
+def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from specserve.cache.kv_pool import KVPool
+    from specserve.runtime.runner import ModelRunner
+
+    m = tiny_model("llama")
+    runner = ModelRunner(m, KVPool(m.cfg, 32, 16, m.dtype))
+    first = CostModel.cached(runner, "tiny", cache_dir=tmp_path)
+    assert len(first.points) >= 2 and all(t > 0 for _, t in first.points)
+    assert runner.kv.allocator.num_free == runner.kv.allocator.num_pages  # measuring leaks no pages
+    t1 = first(1)
+
+    def check_only(runner, sizes=None, **k):  # noqa: ANN001, ANN202 - the start-up check times t(1) and t(5)
+        assert sizes == (1, 5), "measured twice"
+        return CostModel([(1, t1 * 1.2), (5, first(5) * 0.8)])  # both within STALE of the cached curve
+
+    monkeypatch.setattr(CostModel, "measure", staticmethod(check_only))
+    assert CostModel.cached(runner, "tiny", cache_dir=tmp_path).points == first.points
+
+
+def test_a_stale_cached_curve_is_measured_again(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A cached curve whose t(1) or t(5) is far from a fresh timing (measured on a loaded machine) is replaced.
+    NOTE: the machine's timing is a fixed fake here, so a busy CI host cannot make the check fail."""
+    import json
+
+    from specserve.cost import curve as cost_mod
+
+    calls: list[tuple[int, ...]] = []
+
+    def fake(runner, sizes=cost_mod.COST_SIZES, **k):  # noqa: ANN001, ANN202 - this machine: 1 ms + 0.1 ms/token
+        calls.append(tuple(sizes))
+        return CostModel([(n, 1e-3 + 1e-4 * n) for n in sizes])
+
+    monkeypatch.setattr(CostModel, "measure", staticmethod(fake))
+    true = fake(None).points
+    first = CostModel.cached(None, "tiny", cache_dir=tmp_path)
+    (path,) = tmp_path.glob("tiny-*.json")
+    assert first.points == true and json.loads(path.read_text()) == [list(p) for p in true]
+    for stale in ([[n, 40 * t] for n, t in true],                       # 40x too slow
+                  [[n, t if n == 1 else 3 * t] for n, t in true]):      # right t(1), a verify of 4 drafts 3x too dear
+        path.write_text(json.dumps(stale))
+        calls.clear()
+        assert CostModel.cached(None, "tiny", cache_dir=tmp_path).points == true
+        assert calls == [cost_mod.PROBE_SIZES, cost_mod.COST_SIZES]      # probed, then measured in full
+        assert json.loads(path.read_text()) == [list(p) for p in true]
+    calls.clear()                                                        # a fresh curve: probed only, kept
+    assert CostModel.cached(None, "tiny", cache_dir=tmp_path).points == true and calls == [cost_mod.PROBE_SIZES]
+
+
+def test_cost_curve_ignores_a_stall_and_never_decreases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stall during one forward moves no point (medians); a size measured slower than a larger one is
+    lowered to it (more tokens never cost less)."""
+    from types import SimpleNamespace
+
+    from specserve.cost import curve as cost_mod
+
+    class Runner:
+        kv = SimpleNamespace(ensure=lambda pt, n: pt.append(0), release=lambda pt: pt.clear())
+        clock, calls = 0.0, 0
+
+        def forward(self, pts, ctx, ids, pos) -> None:  # noqa: ANN001
+            n = len(ids[0])
+            self.calls += 1
+            self.clock += 1.0 + 0.1 * n + (50.0 if n == 3 and self.calls == 16 else 0.0) + (1.0 if n == 5 else 0.0)
+
+    runner = Runner()
+    monkeypatch.setattr(cost_mod, "time", SimpleNamespace(perf_counter=lambda: runner.clock))
+    pts = dict(CostModel.measure(runner, sizes=tuple(range(1, 9)), repeats=5).points)
+    assert runner.calls == 8 * 6  # a warm-up run, then 5, per size
+    assert pts[3] == pytest.approx(1.3) and pts[4] == pytest.approx(1.4)
+    assert pts[5] == pytest.approx(1.6) == pts[6]
+    assert all(pts[n] <= pts[n + 1] for n in range(1, 8))
+
+
+def test_cost_curve_is_dense_where_small_windows_fall(tmp_path) -> None:  # noqa: ANN001
+    """Every verify size 1..17 is measured (no interpolation between powers of two), then sparser; a
+    cache of the old sparse curve (its old file name) is not reused."""
+    from specserve.cache.kv_pool import KVPool
+    from specserve.runtime.runner import ModelRunner
+    from specserve.cost.curve import COST_SIZES
+
+    m = tiny_model("llama")
+    runner = ModelRunner(m, KVPool(m.cfg, 32, 16, m.dtype))
+    threads = __import__("torch").get_num_threads()
+    (tmp_path / f"tiny-t{threads}.json").write_text("[[1, 1.0], [2, 2.0], [4, 4.0]]")  # an old sparse cache
+    pts = [n for n, _ in CostModel.cached(runner, "tiny", cache_dir=tmp_path).points]
+    assert tuple(pts) == COST_SIZES and pts[:17] == list(range(1, 18)) and pts[17:] == [24, 32, 48, 64]

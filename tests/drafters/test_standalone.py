@@ -1,0 +1,158 @@
+"""STANDALONE drafter on tiny same-vocabulary fp64 models: greedy equality, draft-side commit,
+vocabulary refusal."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+
+from tests.dist import engine_vs_exact_joint
+from tests.tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    cfg = tiny_config("llama")
+    out = {"target": save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=1), root / "target")}
+    out["self"] = out["target"]  # draft == target: every draft accepted
+    dcfg = tiny_config("qwen2", layers=1)  # a different, smaller architecture with the same vocab
+    out["small"] = save_tiny_hf_dir(dcfg, tiny_state_dict(dcfg, seed=2), root / "small")
+    other = tiny_config("llama", vocab=50)
+    out["othervocab"] = save_tiny_hf_dir(other, tiny_state_dict(other, seed=3), root / "othervocab")
+    return out
+
+
+def _llm(dirs: dict[str, str], draft: str, k: int, **kw) -> LLM:
+    return LLM(dirs["target"], dtype="float64", speculative_algorithm="STANDALONE",
+               speculative_draft_model_path=dirs[draft], speculative_num_draft_tokens=k, **kw)
+
+
+@pytest.mark.parametrize("draft", ["self", "small"])
+@pytest.mark.parametrize("k", [1, 3, 8, 16])
+def test_standalone_greedy_equals_plain(dirs: dict[str, str], draft: str, k: int) -> None:
+    llm = _llm(dirs, draft, k, page_size=4, max_prefill_tokens=9)
+    g = torch.Generator().manual_seed(k)
+    prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (6,), generator=g)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    target = llm.engine.model
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference_greedy(target, p, 24)
+    if draft == "self":  # the draft is the target: all drafts accepted, except where max_tokens cuts
+        assert all(o.meta_info["spec_accept_length"] > min(k + 1, 24) / 2 for o in outs)
+
+
+def test_standalone_requests_join_midway(dirs: dict[str, str]) -> None:
+    llm = _llm(dirs, "small", 4)
+    eng = llm.engine
+    prompts = [[5, 6, 7], [1] * 17, [3, 9, 27, 81], [2, 4]]
+    reqs = []
+    for p in prompts:  # a new request every two steps
+        reqs.append(eng.add_request(p, SamplingParams(temperature=0, max_tokens=20)))
+        eng.step()
+        eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == reference_greedy(eng.model, p, 20)
+    drafter = eng.drafter
+    assert drafter.state == {} and drafter.kv.allocator.num_free == drafter.kv.allocator.num_pages
+
+
+def test_draft_kv_matches_committed_tokens(dirs: dict[str, str]) -> None:
+    """After each step, the draft's valid KV (positions < done) equals a fresh forward of the tokens."""
+    from specserve.cache.kv_pool import KVPool
+    from specserve.runtime.runner import ModelRunner
+
+    llm = _llm(dirs, "small", 5)
+    eng = llm.engine
+    req = eng.add_request([4, 8, 15, 16, 23, 42], SamplingParams(temperature=0, max_tokens=30))
+    d = eng.drafter
+    for _ in range(6):
+        eng.step()
+        st = d.state[req.request_id]
+        ids = req.all_ids[: st.done]
+        kv = KVPool(d.runner.model.cfg, 8, 16, torch.float64)
+        pt: list[int] = []
+        kv.ensure(pt, len(ids))
+        ModelRunner(d.runner.model, kv).forward([pt], [0], [ids], [[]])
+        slots = d.runner.kv.slots(st.page_table, 0, st.done)
+        for layer in range(len(kv.k)):
+            assert torch.allclose(d.kv.k[layer][slots], kv.k[layer][: len(ids)], atol=1e-10)
+            assert torch.allclose(d.kv.v[layer][slots], kv.v[layer][: len(ids)], atol=1e-10)
+
+
+def test_vocab_mismatch_refused(dirs: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="vocabulary differs"):
+        _llm(dirs, "othervocab", 4)
+
+
+def test_block_refused_for_deterministic_drafts(dirs: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="block needs draft distributions"):
+        LLM(dirs["target"], dtype="float64", speculative_algorithm="NGRAM", speculative_accept="block")
+
+
+def test_standalone_needs_path() -> None:
+    with pytest.raises(ValueError, match="--speculative-draft-model-path"):
+        LLM("x", speculative_algorithm="STANDALONE")
+
+
+@pytest.mark.parametrize("rule", ["sample", "block", "onehot"])
+def test_standalone_sampling_matches_target_distribution(tmp_path, rule: str) -> None:  # noqa: ANN001
+    """Sampled drafts with real q through the whole engine reproduce the exact target joint."""
+    V, L, N = 3, 5, 2500  # first token from prefill, then a window of 3 drafts: γ up to 3 is exercised
+    cfg = tiny_config("llama", vocab=V)
+    target = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=11), tmp_path / "t")
+    draft = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=12), tmp_path / "d")  # different q
+    llm = LLM(target, dtype="float64", speculative_algorithm="STANDALONE", speculative_draft_model_path=draft,
+              speculative_num_draft_tokens=3, speculative_accept=rule, max_running_requests=256)
+    base = SamplingParams(temperature=6.0, max_tokens=L, top_p=0.95)  # tiny models are peaked: flatten
+    fit = engine_vs_exact_joint(llm, [1, 2], L, base, N)
+    assert fit.ok, fit
+    assert sum(o.meta_info["spec_accepted_tokens"] for o in fit.outs) > 0
+
+
+def test_standalone_draft_bigger_than_target_refused(dirs: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="the draft .* is bigger than the target"):
+        LLM(dirs["small"], dtype="float64", speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=dirs["target"])
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_standalone_reduced_draft_vocab_greedy_equals_plain(dirs: dict[str, str], tmp_path, k: int) -> None:  # noqa: ANN001
+    """A draft head cut to 40 of 97 tokens: drafts come from those 40 only, the output stays the target's."""
+    import json
+
+    import numpy as np
+
+    from specserve.drafters.draft_vocab import FILE, tokenizer_fingerprint
+    from specserve.loading.checkpoint import open_checkpoint
+
+    tok = open_checkpoint(dirs["small"]).tokenizer
+    keep = np.arange(0, 97, 2)[:40]
+    np.savez(tmp_path / FILE, ids=keep)
+    (tmp_path / "config.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(tok), "tokenizer_name": "t"}))
+    llm = _llm(dirs, "small", k, speculative_draft_vocab=str(tmp_path))
+    draft = llm.engine.drafter.runner.model
+    assert torch.equal(draft.head_ids, torch.from_numpy(keep)) and draft.lm_head.shape[0] == 40
+    g = torch.Generator().manual_seed(k)
+    prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (4,), generator=g)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference_greedy(llm.engine.model, p, 16)
+    logits = draft.compute_logits(torch.randn(2, draft.cfg.hidden_size, dtype=draft.dtype))
+    outside = torch.ones(97, dtype=torch.bool)
+    outside[keep] = False
+    assert logits.shape == (2, 97) and torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, keep]).all()
+
+
+def test_standalone_draft_vocab_of_another_tokenizer_refused(dirs: dict[str, str], tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    import numpy as np
+
+    np.savez(tmp_path / "draft_vocab.npz", ids=np.arange(10))
+    (tmp_path / "config.json").write_text(json.dumps({"tokenizer": "0" * 16, "tokenizer_name": "other"}))
+    with pytest.raises(ValueError, match="built for another tokenizer"):
+        _llm(dirs, "small", 2, speculative_draft_vocab=str(tmp_path))

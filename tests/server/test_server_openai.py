@@ -1,0 +1,133 @@
+"""OpenAI-compatible generation through the official `openai` client: completions and chat, streaming and
+not (stream equals non-stream, raw SSE framing, usage with the speculative extension), logprobs, n and
+seeds, stop strings and stop token ids — greedy output equals the offline engine's.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from specserve import LLM, SamplingParams
+
+from tests.server_fixtures import _text
+from tests.server_fixtures import client, model_dir, srv  # noqa: F401, F811  (fixtures)
+from tests.server_utils import ServerThread, sse_events
+
+
+def test_completion_matches_offline_engine_and_reports_usage(client: openai.OpenAI, model_dir: str) -> None:
+    r = client.completions.create(model="tiny", prompt="w1 w2 w3 w4", max_tokens=24, temperature=0)
+    c = r.choices[0]
+    assert r.object == "text_completion" and r.model == "tiny" and r.id.startswith("cmpl-")
+    assert c.finish_reason == "length" and c.index == 0
+    offline = LLM(model_dir, dtype="float64").generate("w1 w2 w3 w4", SamplingParams(temperature=0, max_tokens=24))
+    assert c.text == offline[0].text
+    u = r.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (4, 24, 28)
+    spec = u.model_extra["speculative"]
+    assert spec["algorithm"] == "NGRAM" and spec["spec_verify_ct"] > 0 and spec["spec_accepted_tokens"] > 0
+    assert spec["spec_accept_length"] == pytest.approx(1 + spec["spec_accepted_tokens"] / spec["spec_verify_ct"])
+    assert sum(spec["spec_accepted_per_pos"]) == spec["spec_accepted_tokens"]
+    echo = client.completions.create(model="tiny", prompt="w1 w2 w3 w4", max_tokens=24, temperature=0, echo=True)
+    assert echo.choices[0].text == "w1 w2 w3 w4" + c.text
+
+
+def test_completion_stream_equals_non_stream(client: openai.OpenAI, srv: ServerThread) -> None:
+    kw = dict(model="tiny", prompt="w7 w8 w9", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert _text(chunks) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+    # raw framing: `data: {json}\n\n` events, then `data: [DONE]\n\n`
+    raw = httpx.post(f"{srv.url}/v1/completions", json={**kw, "stream": True}, timeout=60)
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(raw.text)
+    assert events[-1] == "[DONE]" and all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
+
+
+def test_chat_stream_and_not(client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "w10 w11 w12"}], max_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kw)
+    msg = full.choices[0].message
+    assert full.object == "chat.completion" and msg.role == "assistant" and msg.content
+    assert full.usage.prompt_tokens == 6  # "w2 w10 w11 w12 w5 w3" from the toy template
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 10
+    # max_completion_tokens is the newer name of max_tokens
+    r = client.chat.completions.create(**{**kw, "max_tokens": None}, max_completion_tokens=3)
+    assert r.usage.completion_tokens == 3
+
+
+# ---- logprobs -----------------------------------------------------------------------------------
+def test_completion_logprobs_shape(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert lp.tokens == r.choices[0].text.split()
+    assert lp.text_offset == sorted(lp.text_offset)
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and chosen <= 0
+        assert top[tok] == pytest.approx(chosen) == pytest.approx(max(top.values()))  # greedy: the argmax
+
+
+def test_chat_logprobs_shape(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w3"}], max_tokens=5,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for e in content:
+        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert e.top_logprobs[1].logprob <= e.logprob
+    streamed = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w3"}], max_tokens=5,
+                                              temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert tokens == [e.token for e in content]
+
+
+# ---- n, seeds, stop ---------------------------------------------------------------------------------
+def test_seed_reproducible_and_n2(client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", prompt="w1 w2", max_tokens=16, temperature=1.0)
+    a = client.completions.create(**kw, seed=42).choices[0].text
+    assert client.completions.create(**kw, seed=42).choices[0].text == a
+    b = client.completions.create(**kw, seed=43).choices[0].text
+    assert a != b
+    r = client.completions.create(**kw, seed=42, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [a, b]  # sample j is seeded seed + j
+    assert r.usage.completion_tokens == 32 and r.usage.prompt_tokens == 2
+    chunks = list(client.completions.create(**kw, seed=42, n=2, stream=True))
+    assert [_text(chunks, 0), _text(chunks, 1)] == [a, b]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w9"}], n=2,
+                                          max_tokens=4, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+@pytest.mark.parametrize("span", [1, 2])
+def test_stop_strings_never_leak(client: openai.OpenAI, span: int) -> None:
+    kw = dict(model="tiny", prompt="w1 w2 w3 w4", max_tokens=20, temperature=0)
+    base = client.completions.create(**kw).choices[0].text
+    stop = " ".join(base.split()[5 : 5 + span])  # span 2: the stop string crosses a token boundary
+    cut = base[: base.index(stop)]
+    r = client.completions.create(**kw, stop=[stop, "nowhere"])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.completions.create(**kw, stop=stop, stream=True))
+    assert _text(chunks) == cut and not any(stop in c.choices[0].text for c in chunks if c.choices)
+
+
+def test_stop_token_ids(client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", prompt="w1 w2 w3 w4", max_tokens=20, temperature=0)
+    words = client.completions.create(**kw).choices[0].text.split()
+    tid = int(words[3][1:])
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [tid]})
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.text.split() == words[: words.index(words[3]) + 1]
+    assert c.model_extra["stop_reason"] == tid

@@ -22,6 +22,9 @@ from ..models.config import ModelConfig
 
 log = logging.getLogger("specserve")
 
+#: trailing token ids a draft model's vocabulary may differ from the target's by (llama.cpp allows as many)
+MAX_VOCAB_PAD = 128
+
 
 
 
@@ -69,17 +72,26 @@ class DrafterContext:
             return default
         return resolve_dtype(c.speculative_draft_dtype, c.quantization if quantized else None)
 
-    def check_same_vocab(self, draft_tok, draft_cfg: ModelConfig) -> None:  # noqa: ANN001
-        """A draft model must share the target's tokenizer: refuse naming the first difference."""
+    def shared_vocab(self, draft_tok, draft_cfg: ModelConfig) -> int:  # noqa: ANN001
+        """How many leading token ids target and draft model share: a draft model must have the target's
+        tokenizer, up to MAX_VOCAB_PAD trailing ids (padding rows: Qwen2.5 pads its 151,665 tokens to 152,064
+        rows at 7B and up, to 151,936 below) whose strings agree where both have them. Refuses naming the first
+        difference."""
         t_tok, t_cfg = self.tokenizer, self.target.cfg
-        if draft_cfg.vocab_size != t_cfg.vocab_size:
+        if abs(draft_cfg.vocab_size - t_cfg.vocab_size) > MAX_VOCAB_PAD:
             raise ValueError(f"draft model vocabulary differs: target logits have {t_cfg.vocab_size} entries, "
-                             f"draft {draft_cfg.vocab_size}; STANDALONE needs the same tokenizer")
+                             f"draft {draft_cfg.vocab_size}; STANDALONE needs the same tokenizer (at most "
+                             f"{MAX_VOCAB_PAD} trailing ids may differ)")
+        shared = min(draft_cfg.vocab_size, t_cfg.vocab_size)
         if t_tok is not None and draft_tok is not None:
             n = min(t_tok.vocab_size, draft_tok.vocab_size)
             for i in range(n):
                 if t_tok.id_to_piece(i) != draft_tok.id_to_piece(i):
                     raise ValueError(f"draft tokenizer differs from the target's at id {i}: "
                                      f"{t_tok.id_to_piece(i)!r} vs {draft_tok.id_to_piece(i)!r}")
-            if t_tok.vocab_size != draft_tok.vocab_size:
-                raise ValueError(f"draft tokenizer has {draft_tok.vocab_size} tokens, target {t_tok.vocab_size}")
+            if abs(t_tok.vocab_size - draft_tok.vocab_size) > MAX_VOCAB_PAD:
+                raise ValueError(f"draft tokenizer has {draft_tok.vocab_size} tokens, target {t_tok.vocab_size} "
+                                 f"(at most {MAX_VOCAB_PAD} trailing ids may differ)")
+            if t_tok.vocab_size != draft_tok.vocab_size:  # a token only one of them has is never drafted
+                shared = min(shared, n)
+        return shared

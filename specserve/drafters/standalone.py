@@ -55,6 +55,7 @@ class StandaloneDrafter(Drafter):
         self.state: dict[str, _DraftState] = {}
         self.supplies_q = not self.greedy_draft
         self.prefix: DraftPrefix | None = None
+        self.vocab = runner.model.cfg.vocab_size  # token ids the draft model has an embedding row for
 
     def use_prefix_cache(self) -> None:
         if self.runner.states is None:  # NOTE: a recurrent draft state at a page boundary is not kept
@@ -83,6 +84,12 @@ class StandaloneDrafter(Drafter):
     def _ready(self, st: _DraftState) -> bool:
         """A hybrid draft model drafts only for requests holding a state slot (else: plain decoding)."""
         return self.runner.states is None or st.slot is not None
+
+    def _inputs(self, ids: list[int]) -> list[int]:
+        """Target tokens the draft model has no row for (a padded target vocabulary) are fed to it as token 0:
+        only its guesses change."""
+        v = self.vocab
+        return ids if max(ids, default=0) < v else [t if t < v else 0 for t in ids]
 
     def _states(self, sts: list[_DraftState], keep_rows: bool) -> StateBatch | None:
         pool = self.runner.states
@@ -116,7 +123,8 @@ class StandaloneDrafter(Drafter):
             sts = [st for _, st, _, _ in todo]
             states = self._states(sts, keep_rows=False)
             self.runner.forward([s.page_table for s in sts], [start for _, _, start, _ in todo],
-                                [r.all_ids[s : s + n] for r, _, s, n in todo], [[] for _ in todo], states=states)
+                                [self._inputs(r.all_ids[s : s + n]) for r, _, s, n in todo], [[] for _ in todo],
+                                states=states)
             if states is not None:
                 for st, rows in zip(sts, states.split([n for *_, n in todo])):
                     self.runner.states.write(st.slot, rows, 0)
@@ -162,7 +170,8 @@ class StandaloneDrafter(Drafter):
             sts = [self.state[reqs[b].request_id] for b in active]
             states = self._states(sts, keep_rows=True)
             logits, _ = self.runner.forward([s.page_table for s in sts], [s.done for s in sts],
-                                            [pending[b] for b in active], [[len(pending[b]) - 1] for b in active],
+                                            [self._inputs(pending[b]) for b in active],
+                                            [[len(pending[b]) - 1] for b in active],
                                             states=states)
             self._advance(sts, states, [len(pending[b]) for b in active])
             still = []
@@ -215,7 +224,7 @@ def build_draft_runner(ctx: DrafterContext, model: "LlamaModel") -> ModelRunner:
 
 def load_draft_model(ctx: DrafterContext) -> "LlamaModel":
     """The draft model of --speculative-draft-model-path, checked before any weight is read: the same
-    tokenizer as the target's, and not bigger than it. Quantized like the target when its dtype is the one the
+    tokenizer as the target's (up to a few trailing padding ids: `shared_vocab`), and not bigger than it. Quantized like the target when its dtype is the one the
     quantization mode runs in; its LM head reduced to --speculative-draft-vocab (default: the vocabulary shipped
     for the tokenizer, if any)."""
     from ..loading.checkpoint import open_checkpoint
@@ -227,14 +236,20 @@ def load_draft_model(ctx: DrafterContext) -> "LlamaModel":
     path = c.speculative_draft_model_path
     ckpt = open_checkpoint(path)
     cfg, tok = ckpt.cfg, ckpt.tokenizer
-    ctx.check_same_vocab(tok, cfg)
+    shared = ctx.shared_vocab(tok, cfg)
     if cfg.num_params > ctx.target.cfg.num_params:
         raise ValueError(f"--speculative-draft-model-path {path}: the draft ({cfg.num_params / 1e9:.3f}B parameters) "
                          f"is bigger than the target ({ctx.target.cfg.num_params / 1e9:.3f}B); it cannot pay")
     dtype = ctx.draft_dtype(ctx.target.dtype)
     quant = c.quantization if c.quantization and dtype == resolve_dtype("auto", c.quantization) else None
     ids = resolve_draft_vocab(c.speculative_draft_vocab or "auto", tok, cfg.vocab_size)
-    model, _ = build_model(ckpt, dtype, quant, head_rows=None if ids is None else torch.from_numpy(ids))
+    rows = None if ids is None else torch.from_numpy(ids)
+    if shared < cfg.vocab_size or cfg.vocab_size != ctx.target_cfg.vocab_size:
+        # NOTE: a padded vocabulary: the head keeps the shared ids only (drafts never leave them), and its logits
+        # are as wide as the target's (the sampling processors and the grammar mask index the target's vocabulary)
+        rows = torch.arange(shared) if rows is None else rows[rows < shared]
+    model, _ = build_model(ckpt, dtype, quant, head_rows=rows)
+    model.logits_vocab = ctx.target_cfg.vocab_size
     return model
 
 

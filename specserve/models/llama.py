@@ -154,6 +154,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
         self.tp: "TensorParallel | None" = None  # set by parallel.attach on a tensor-parallel shard
         self.head_ids: torch.Tensor | None = None  # a reduced head (draft models): the vocab ids of its rows
+        self.logits_vocab = cfg.vocab_size  # a reduced head's logits width (a draft model: the target's vocabulary)
         self._stack: tuple[object, tuple | None] | None = None  # (first qkv weight, _layer_stack's result)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -279,7 +280,7 @@ class LlamaModel(nn.Module):
         logits = logits if logits.dtype == torch.float64 else logits.float()
         if self.head_ids is None:
             return logits
-        full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        full = logits.new_full((*logits.shape[:-1], self.logits_vocab), float("-inf"))
         return full.index_copy_(-1, self.head_ids, logits)
 
     @torch.no_grad()

@@ -19,8 +19,14 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out["self"] = out["target"]  # draft == target: every draft accepted
     dcfg = tiny_config("qwen2", layers=1)  # a different, smaller architecture with the same vocab
     out["small"] = save_tiny_hf_dir(dcfg, tiny_state_dict(dcfg, seed=2), root / "small")
-    other = tiny_config("llama", vocab=50)
-    out["othervocab"] = save_tiny_hf_dir(other, tiny_state_dict(other, seed=3), root / "othervocab")
+    for name, vocab in (("padded", 97 + 9), ("short", 97 - 11)):  # padded pairs: trailing ids differ
+        pcfg = tiny_config("qwen2", layers=1, vocab=vocab)
+        out[name] = save_tiny_hf_dir(pcfg, tiny_state_dict(pcfg, seed=4), root / name)
+    big = tiny_config("llama", vocab=97 + 129)
+    out["bigvocab"] = save_tiny_hf_dir(big, tiny_state_dict(big, seed=3), root / "bigvocab")
+    out["othertok"] = save_tiny_hf_dir(dcfg, tiny_state_dict(dcfg, seed=2), root / "othertok")
+    tok = root / "othertok" / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"w5"', '"x5"'))  # one piece differs
     return out
 
 
@@ -84,8 +90,47 @@ def test_draft_kv_matches_committed_tokens(dirs: dict[str, str]) -> None:
 
 
 def test_vocab_mismatch_refused(dirs: dict[str, str]) -> None:
-    with pytest.raises(ValueError, match="vocabulary differs"):
-        _llm(dirs, "othervocab", 4)
+    """More than 128 trailing ids apart, or one token's string differs: not the target's tokenizer."""
+    with pytest.raises(ValueError, match="vocabulary differs: target logits have 226 entries, draft 97"):
+        LLM(dirs["bigvocab"], dtype="float64", speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=dirs["small"])
+    with pytest.raises(ValueError, match="draft tokenizer differs from the target's at id 5: 'w5' vs 'x5'"):
+        _llm(dirs, "othertok", 4)
+
+
+@pytest.mark.parametrize("draft", ["padded", "short"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_padded_vocab_pair_greedy_equals_plain(dirs: dict[str, str], draft: str, k: int) -> None:
+    """A draft with 9 more or 11 fewer trailing ids than the target: it drafts only the shared ids (a target token
+    it has no row for is fed to it as a stand-in), and the output is the target's."""
+    llm = _llm(dirs, draft, k, page_size=4)
+    shared = 97 if draft == "padded" else 86
+    d, drafted = llm.engine.drafter, []
+    propose = d.propose
+    d.propose = lambda reqs, plan: (p := propose(reqs, plan)) and drafted.extend(t for ts in p.tokens for t in ts) or p
+    g = torch.Generator().manual_seed(k)
+    prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (6,), generator=g)]
+    prompts.append([90, 91, 92, 93] * 3)  # ids the short draft has no row for
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference_greedy(llm.engine.model, p, 24)
+    assert drafted and max(drafted) < shared
+    assert d.runner.model.logits_vocab == 97
+
+
+def test_padded_vocab_pair_sampling_matches_target_distribution(tmp_path) -> None:  # noqa: ANN001
+    """Target of 4 tokens, draft of 3: sampled drafts (q over the 3 shared ids) keep the exact target joint,
+    token 3 included, which the draft can neither propose nor embed."""
+    V, L, N = 4, 5, 2500
+    cfg, dcfg = tiny_config("llama", vocab=V), tiny_config("llama", vocab=V - 1)
+    target = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=11), tmp_path / "t")
+    draft = save_tiny_hf_dir(dcfg, tiny_state_dict(dcfg, seed=12), tmp_path / "d")
+    llm = LLM(target, dtype="float64", speculative_algorithm="STANDALONE", speculative_draft_model_path=draft,
+              speculative_num_draft_tokens=3, max_running_requests=256)
+    fit = engine_vs_exact_joint(llm, [1, 3], L, SamplingParams(temperature=6.0, max_tokens=L, top_p=0.95), N)
+    assert fit.ok, fit
+    assert sum(o.meta_info["spec_accepted_tokens"] for o in fit.outs) > 0
+    assert any(3 in o.token_ids for o in fit.outs)
 
 
 def test_block_refused_for_deterministic_drafts(dirs: dict[str, str]) -> None:

@@ -32,7 +32,7 @@ class EngineConfig:
                     "quantized GGUF is served quantized: see --quantization; float32 = exact fp32)",
                     ("auto", "float32", "bfloat16", "float64"))
     quantization: str | None = _f(None, "quantized linear layers (not bit-equal to float32; default: w4a8 for a GGUF "
-                                  "stored in 4-bit blocks, w8a8 for Q8_0, when --dtype is auto; none = unquantized): w4a8 = 4-bit weight "
+                                  "stored in 4- to 6-bit blocks, w8a8 for Q8_0, when --dtype is auto; none = unquantized): w4a8 = 4-bit weight "
                                   "blocks (a GGUF's own Q4_*/Q5_*/Q6_K/Q8_0 blocks kept exactly) x int8 "
                                   "activations per block of 32, our VNNI kernel (rows independent), float32 elsewhere; "
                                   "w8a8 = the same with 8-bit weights; int4 = torch's weight-only 4-bit kernel",

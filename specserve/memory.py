@@ -26,6 +26,14 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def check_memory(need: int, what: str) -> None:
+    """Refuse before loading when `need` bytes exceed what the OS reports available."""
+    free = available_memory_bytes()
+    if free is not None and need > free:
+        raise MemoryError(f"{what} needs about {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB of memory is "
+                          "available; free memory, lower --kv-cache-memory, or use a smaller model")
+
+
 def peak_rss_bytes() -> int:
     """This process's high-water resident set (ru_maxrss is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..memory import available_memory_bytes, peak_rss_bytes
+from ..memory import check_memory, peak_rss_bytes
 from ..models.embedding import GGUFEmbedding
 from ..formats.gguf_blocks import NATIVE
 from .gguf import hf_name, tensor_shape, unpermute_rotary
@@ -92,14 +92,6 @@ def resident_estimate(reader: Any) -> int:
         else:
             total += 4 * int(np.prod(shape))
     return total
-
-
-def check_memory(need: int, what: str) -> None:
-    """Refuse before loading when `need` bytes exceed what the OS reports available."""
-    free = available_memory_bytes()
-    if free is not None and need > free:
-        raise MemoryError(f"{what} needs about {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB of memory is "
-                          "available; free memory, lower --kv-cache-memory, or use a smaller model")
 
 
 def load_quantized_gguf(ckpt: Checkpoint, mode: str, dtype: torch.dtype, reserve_bytes: int = 0,

@@ -6,30 +6,34 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.gguf_blocks import NATIVE
 from ..formats.quant import check_quantizable, quantize_model
+from ..memory import check_memory
 from ..models.llama import LlamaModel
 from ..models.registry import model_class
 from ..tokenizer.tokenizer import Tokenizer
 from .checkpoint import Checkpoint, open_checkpoint, read_weights
 
+NARROW = frozenset(NATIVE) - {"Q8_0"}  # the block types w4a8 keeps exactly
+
 
 def default_quantization(ckpt: Checkpoint, dtype: str, quantization: str | None) -> str | None:
     """--quantization as given ("none" = unquantized); unset with --dtype auto, a GGUF that stores its
-    projections in 4-bit blocks (Q4_*) is served in w4a8, one in 8-bit blocks (Q8_0) in w8a8: the file's
-    blocks kept exactly, our integer kernel (the fast CPU mode). Anything else, or an explicit --dtype,
-    runs unquantized (exact float)."""
+    projections in 4- to 6-bit blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K) is served in w4a8, one in 8-bit blocks
+    (Q8_0) in w8a8: the file's blocks kept exactly, our integer kernel (the fast CPU mode). Anything else, or an
+    explicit --dtype, runs unquantized (exact float)."""
     if quantization is not None:
         return None if quantization == "none" else quantization
     if dtype != "auto":
         return None
     kinds = ckpt.tensor_types("ffn_down.weight")
-    return "w4a8" if any(k.startswith("Q4") for k in kinds) else "w8a8" if "Q8_0" in kinds else None
+    return "w4a8" if kinds & NARROW else "w8a8" if "Q8_0" in kinds else None
 
 
 def build_model(model: str | Checkpoint, dtype: torch.dtype, quantization: str | None = None, reserve_bytes: int = 0,
                 head_rows: torch.Tensor | None = None) -> tuple[LlamaModel, Tokenizer]:
     """Load a checkpoint (an opened one, or an HF dir, a .gguf or an alias) into our model class; returns
-    (model, tokenizer). A quantized GGUF is first checked to fit in available memory with `reserve_bytes` (the KV
+    (model, tokenizer). Every path is first checked to fit in available memory with `reserve_bytes` (the KV
     pools to come). `head_rows`: sorted vocab ids the LM head keeps (a draft model's reduced vocabulary)."""
     ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
     if quantization and ckpt.is_gguf:
@@ -39,6 +43,10 @@ def build_model(model: str | Checkpoint, dtype: torch.dtype, quantization: str |
     blocks: dict | None = {} if quantization else None  # a GGUF's exact blocks, filled by read_weights
     if quantization:
         check_quantizable(ckpt.cfg, quantization)
+    # NOTE: this path holds the whole model in `dtype` before any packing
+    check_memory(ckpt.cfg.num_params * torch.finfo(dtype).bits // 8 + reserve_bytes,
+                 f"{ckpt.path.name} in {str(dtype).removeprefix('torch.')} with {reserve_bytes / 2**30:.2f} GiB "
+                 "of KV cache")
     cfg, state_dict = read_weights(ckpt, dtype, blocks)
     net = model_class(cfg.architecture)(cfg, dtype)
     net.load_weights(state_dict)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specserve.loading.pipeline import build_model
-from specserve.loading import gguf_stream
+from specserve import memory
 from specserve.models.embedding import GGUFEmbedding
 from specserve.loading.checkpoint import load_checkpoint
 from specserve.formats.quant import quantize_model
@@ -102,9 +102,27 @@ def test_unknown_block_type_names_the_tensor(tmp_path: Path) -> None:
 def test_memory_check_names_both_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "m.gguf"
     _write_gguf(path, "llama", _tiny_tensors(260, bias=False), qtype="Q8_0")
-    monkeypatch.setattr(gguf_stream, "available_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 2**20)
     with pytest.raises(MemoryError, match=r"needs about 1\.00 GiB but only 0\.00 GiB of memory is available"):
         build_model(str(path), torch.float32, "w4a8", reserve_bytes=2**30)
+    with pytest.raises(MemoryError, match=r"m\.gguf in float32 with 1\.00 GiB of KV cache needs about 1\.00 GiB"):
+        build_model(str(path), torch.float32, None, reserve_bytes=2**30)  # the dense path is checked too
+
+
+@pytest.mark.parametrize("qtype,mode", [("Q5_0", "w4a8"), ("Q5_1", "w4a8"), ("Q4_0", "w4a8"), ("Q8_0", "w8a8"),
+                                        ("F16", None)])
+def test_native_blocks_are_served_in_the_integer_kernels_by_default(tmp_path: Path, qtype: str, mode: str | None) -> None:
+    """With --dtype auto, a GGUF whose projections are in a block type the kernels keep exactly is served quantized
+    (no fp32 copy of the model); float files stay float."""
+    from specserve.loading.checkpoint import open_checkpoint
+    from specserve.loading.pipeline import default_quantization
+
+    path = tmp_path / "m.gguf"
+    tensors = _tiny_tensors(260, bias=False)
+    if qtype == "F16":
+        tensors = {k: v.astype(np.float16) for k, v in tensors.items()}
+    _write_gguf(path, "llama", tensors, qtype=None if qtype == "F16" else qtype)
+    assert default_quantization(open_checkpoint(str(path)), "auto", None) == mode
 
 
 def test_gguf_embedding_rejects_bad_ids(tmp_path: Path) -> None:

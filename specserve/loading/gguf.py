@@ -169,6 +169,10 @@ def open_gguf(path: Path) -> tuple[Any, ModelConfig, Tokenizer]:
     except Exception as e:  # noqa: BLE001 - bad bytes surface as struct/numpy/enum errors
         raise ValueError(f"{path.name}: not a readable GGUF file ({type(e).__name__}: {e}); "
                          f"it may be truncated or corrupt ({size} bytes)") from None
+    try:  # the architecture first: an unsupported family's tensors are refused by its name, not by a tensor's
+        arch = normalize_architecture(str(_field(reader, "general.architecture")))
+    except ValueError as e:
+        raise ValueError(f"{path.name}: {e}") from None
     for t in reader.tensors:
         if t.tensor_type.name not in _SUPPORTED_QTYPES:
             raise ValueError(f"{path.name}: tensor {t.name!r} has GGUF block type {t.tensor_type.name}, which "
@@ -177,7 +181,8 @@ def open_gguf(path: Path) -> tuple[Any, ModelConfig, Tokenizer]:
             raise ValueError(f"{path.name}: tensor {t.name!r} ends at byte {int(t.data_offset) + int(t.n_bytes)} "
                              f"but the file has {size} bytes: the file is truncated")
         if t.name not in _SKIP and hf_name(t.name) is None:
-            raise ValueError(f"{path.name}: unexpected GGUF tensor {t.name!r}")
+            raise ValueError(f"{path.name}: unexpected GGUF tensor {t.name!r} for a {arch} model (a {arch} layer "
+                             f"has: {', '.join(sorted(_LAYER_NAMES))})")
     shapes = {t.name: tensor_shape(t) for t in reader.tensors}
     freqs = next((np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
                   for t in reader.tensors if t.name == "rope_freqs.weight"), None)

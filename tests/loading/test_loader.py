@@ -208,6 +208,18 @@ def test_unknown_architecture_errors(ours, tmp_path: Path) -> None:
         load_checkpoint(str(tmp_path / "hf"), torch.float32)
 
 
+def test_an_unsupported_family_is_refused_by_name_before_its_tensors(tmp_path: Path) -> None:
+    """A family we do not run (its layers carry tensors ours lack) is refused naming the architecture and the
+    supported list, not the first tensor we cannot place; an unexpected tensor in a supported family names it."""
+    extra = {**_tiny_tensors(260, bias=False), "blk.0.post_attention_norm.weight": np.ones(32, np.float32)}
+    _write_gguf(tmp_path / "g3.gguf", "gemma3", extra)
+    with pytest.raises(ValueError, match="g3.gguf: unsupported model architecture 'gemma3'; supported: llama, qwen2"):
+        load_checkpoint(str(tmp_path / "g3.gguf"), torch.float32)
+    _write_gguf(tmp_path / "l.gguf", "llama", extra)
+    with pytest.raises(ValueError, match="unexpected GGUF tensor 'blk.0.post_attention_norm.weight' for a llama model"):
+        load_checkpoint(str(tmp_path / "l.gguf"), torch.float32)
+
+
 def test_missing_path_and_files_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no-such-model.*smollm2-135m"):
         resolve_model_path(str(tmp_path / "no-such-model"))

@@ -52,23 +52,35 @@ def _params(a: argparse.Namespace) -> SamplingParams:
     return sp
 
 
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="checkpoint dir, .gguf file or alias (default smollm2-135m)")
+    p.add_argument("--model-path", default=None, help="the model, as SGLang spells it (instead of the positional)")
+
+
+def _model(a: argparse.Namespace) -> str | None:
+    if a.model and a.model_path and a.model != a.model_path:
+        raise SystemExit(f"specserve: error: --model-path {a.model_path!r} and the positional model {a.model!r} "
+                         "differ: give one")
+    return a.model or a.model_path
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Speculative-decoding LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for prompts (arguments or stdin lines)")
-    g.add_argument("model", nargs="?", default=None, help="checkpoint dir, .gguf file or alias (default smollm2-135m)")
+    _model_args(g)
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable); default: stdin lines")
     g.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
     g.add_argument("--json", action="store_true", help="print one JSON object per result")
     _sampling_args(g)
     add_engine_args(g)
     c = sub.add_parser("chat", help="interactive chat on the terminal")
-    c.add_argument("model", nargs="?", default=None)
+    _model_args(c)
     c.add_argument("--system", default=None, help="system message")
     _sampling_args(c)
     add_engine_args(c)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see docs/server.md)")
-    s.add_argument("model", nargs="?", default=None, help="checkpoint dir, .gguf file or alias (default smollm2-135m)")
+    _model_args(s)
     add_server_args(s)
     add_engine_args(s)
     from .bench import add_bench_parser
@@ -98,7 +110,7 @@ def _make_llm(a: argparse.Namespace):  # noqa: ANN202
 
     _default_drafter(a)
     try:
-        return LLM.from_config(config_from_args(a, a.model))
+        return LLM.from_config(config_from_args(a, _model(a)))
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specserve: error: {e}") from None
 
@@ -154,7 +166,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
 
     _default_drafter(a)
     try:  # bad flags and a missing model fail here, before the port opens
-        cfg, scfg = config_from_args(a, a.model), server_config_from_args(a)
+        cfg, scfg = config_from_args(a, _model(a)), server_config_from_args(a)
         resolve_model_path(cfg.model)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specserve: error: {e}") from None

@@ -16,13 +16,15 @@ Names = tuple[str, ...]
 
 
 def _f(default: Any, help: str, choices: Names | None = None, unset: Any = None,  # noqa: A002
-       aliases: tuple[str, ...] = ()) -> Any:
+       aliases: tuple[str, ...] = (), env_aliases: tuple[str, ...] = ()) -> Any:
     """A field; `unset` is the value a None default stands for (None defaults let validation tell a
     flag that was given from one that was not: flags that do not apply are refused only when given).
-    `aliases`: other flag spellings (another server's name for the same option). NOTE: the fields whose names
+    `aliases`, `env_aliases`: other flag and environment spellings (another server's name for the same option,
+    read after ours). NOTE: the fields whose names
     a registry lists (drafters, window policies, acceptance rules) get their choices and help at the CLI
     layer (flags.py) and their checks in speculative/resolve.py `check_config`: config reads no registry."""
-    return field(default=default, metadata={"help": help, "choices": choices, "unset": unset, "aliases": aliases})
+    return field(default=default, metadata={"help": help, "choices": choices, "unset": unset, "aliases": aliases,
+                                            "env_aliases": env_aliases})
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,16 @@ class EngineConfig:
     disable_prefix_cache: bool = _f(False, "do not reuse the KV pages of prompt prefixes across requests (the prefix "
                                     "cache is on by default; hybrid recurrent targets never use it)",
                                     aliases=("--disable-radix-cache",))
-    max_model_len: int | None = _f(None, "max prompt + output tokens (default: the model's context)")
-    max_prefill_tokens: int = _f(2048, "prefill tokens per step (longer prompts are chunked)")
+    max_model_len: int | None = _f(None, "max prompt + output tokens (default: the model's context)",
+                                   aliases=("--context-length",))
+    max_prefill_tokens: int = _f(2048, "prefill tokens per step (longer prompts are chunked)",
+                                 aliases=("--chunked-prefill-size",))
     max_running_requests: int = _f(64, "max requests decoding at once")
     seed: int = _f(0, "engine seed; unseeded requests draw their seeds from it")
     num_threads: int | None = _f(None, "torch intra-op threads (default: torch's choice)")
     tp_size: int = _f(1, "tensor-parallel ranks (Megatron layout over torch.distributed, gloo on CPU): rank 0 runs the "
-                      "engine, scheduler, drafter and server, every rank its shard of the target forward")
+                      "engine, scheduler, drafter and server, every rank its shard of the target forward",
+                      aliases=("--tp",))
     dist_init_addr: str | None = _f(None, "host:port where the tensor-parallel ranks meet (default: a free port on "
                                     "127.0.0.1; required with --nnodes > 1)")
     nnodes: int = _f(1, "machines the --tp-size ranks span (each runs tp_size / nnodes of them)")
@@ -92,7 +97,7 @@ class EngineConfig:
                                  "verified greedily)")
     speculative_verify_packing: str = _f("compact", "ragged verify batch: compact = windows back to back (the "
                                          "linear layers see sum(k+1) rows); padded = every window padded to the "
-                                         "longest", VERIFY_PACKINGS)
+                                         "longest", VERIFY_PACKINGS, env_aliases=("SGLANG_RAGGED_VERIFY_MODE",))
     speculative_greedy_draft: bool | None = _f(None, "model drafters draft by argmax at every temperature "
                                                "(deterministic drafts, verified one-hot)", unset=False)
     speculative_ngram_min_match: int | None = _f(None, "NGRAM: shortest suffix to match", unset=1)
@@ -160,11 +165,13 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         values: dict[str, Any] = {}
         for name, f in names.items():
-            env = environ.get(env_name(name))
+            spellings = (env_name(name), *f.metadata.get("env_aliases", ()))
+            src = next((e for e in spellings if e in environ), spellings[0])
+            env = environ.get(src)
             if name in explicit and explicit[name] is not None:
                 values[name] = explicit[name]
             elif env is not None:
-                values[name] = parse_field(env, f, source=env_name(name), owner=cls)
+                values[name] = parse_field(env, f, source=src, owner=cls)
         return cls(**values)
 
 

@@ -28,10 +28,30 @@ def registry_options() -> dict[str, dict[str, Any]]:
     }
 
 
+#: SGLang server arguments that ask for what a CPU engine cannot do: refused with the reason, never ignored
+REFUSED = {
+    "--attention-backend": "there is one attention backend on a CPU (specserve's paged attention kernel)",
+    "--mem-fraction-static": "GPU memory is not shared out here: --kv-cache-memory sizes the KV pools (bytes, or a "
+                             "fraction of RAM for the KV cache alone)",
+    "--cuda-graph-max-bs": "there are no CUDA graphs on a CPU",
+    "--cuda-graph-bs": "there are no CUDA graphs on a CPU",
+}
+
+
+class _Refused(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: not supported: {REFUSED[option_string]}")
+
+
 def add_engine_args(parser: argparse.ArgumentParser, owner: type | None = None) -> None:
     """Add every field of EngineConfig (or another config dataclass with `from_sources`, e.g. the
-    server's ServerConfig) as --kebab-case (default None so env/defaults apply later)."""
+    server's ServerConfig) as --kebab-case (default None so env/defaults apply later); with EngineConfig, also
+    the SGLang arguments it refuses (`REFUSED`)."""
     owned = registry_options() if owner in (None, EngineConfig) else {}
+    if owner in (None, EngineConfig):
+        for name, why in REFUSED.items():
+            parser.add_argument(name, action=_Refused, nargs="?", help=f"refused: {why}")
     for f in dataclasses.fields(owner or EngineConfig):
         if f.name == "model":
             continue
@@ -42,7 +62,8 @@ def add_engine_args(parser: argparse.ArgumentParser, owner: type | None = None) 
         parser.add_argument(f"--{flag(f.name)}", *f.metadata.get("aliases", ()), dest=f.name,
                             type=parse_bool if t is bool else t, default=None,
                             choices=opt.get("choices", f.metadata["choices"]), **boolean,
-                            help=f"{opt.get('help', f.metadata['help'])} [env {env_name(f.name)}; default "
+                            help=f"{opt.get('help', f.metadata['help'])} [env "
+                                 f"{' or '.join((env_name(f.name), *f.metadata.get('env_aliases', ())))}; default "
                                  f"{f.default if f.default is not None else f.metadata.get('unset')}]")
 
 

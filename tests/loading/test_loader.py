@@ -12,15 +12,7 @@ from specserve.models.config import ModelConfig
 from specserve.loading.gguf import load_gguf, unpermute_rotary
 from specserve.loading.checkpoint import load_checkpoint, resolve_model_path
 from specserve.tokenizer.tokenizer import Tokenizer
-from tests.tokenizer.test_tokenizer import MESSAGES
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    try:
-        return resolve_model_path("smollm2-135m")
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+from tests.tokenizer.test_tokenizer import MESSAGES, gguf_path  # noqa: F401  (the fixture)
 
 
 @pytest.fixture(scope="module")

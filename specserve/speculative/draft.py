@@ -5,7 +5,7 @@ to what is verified. It owns the plan as the commit stage owns what is committed
            in the windows, within what pages, max_tokens and the context allow (`limit`)
   propose  the drafter drafts under the plan; a request whose propose raises fails alone
   cut      the policy keeps the prefix of each proposal worth verifying; grammar-forced drafts join after
-           every cut (speculative/grammar.py)
+           every cut (speculative/grammar.py), credited to their own source (`FORCED`), not the drafter's
 
 A draft model is turned off per request where the policy says its forwards do not pay (`draft_pays`):
 it neither prefills nor drafts for that request, whose source is then the drafter's cheapest (HYBRID: its free
@@ -27,6 +27,8 @@ from ..cost.policy import WindowPolicy
 from ..drafters.base import Drafter
 from ..runtime.isolate import isolate
 from .grammar import cut_to_grammar, forced_drafts, with_forced
+
+FORCED = "grammar"  # the draft source of grammar-forced tokens
 
 
 @dataclass
@@ -80,6 +82,8 @@ class DraftStage:
         plan = self.plan(reqs)
         forced = forced_drafts(reqs, plan.windows, lambda r: self.limit(r, self.forced_draft_tokens))
         plan.windows = [0 if r.request_id in forced else w for r, w in zip(reqs, plan.windows)]  # skip the drafter
+        # NOTE: forced tokens are always accepted: credited to a source of their own, never to the drafter's
+        plan.sources = [FORCED if r.request_id in forced else s for r, s in zip(reqs, plan.sources)]
         proposal = Proposal.empty(len(reqs))
         t0 = time.perf_counter()
         if self.drafter is not None and any(plan.windows):

@@ -129,6 +129,19 @@ def test_forced_drafts_without_a_drafter() -> None:
     assert reqs[0].spec_decode_steps < len(reqs[0].output_ids) - 1
 
 
+def test_forced_drafts_are_not_the_drafters_trials() -> None:
+    """Tokens the grammar forces are verified like drafts but always accepted: they are credited to a source of
+    their own ("grammar"), so the acceptance the `cost` policy plans a drafter's windows on is the drafter's."""
+    model = tiny_model("llama", seed=7)
+    plan = [(0, [1, 2, 3], SamplingParams(temperature=0, max_tokens=30, regex="forced and nothing else, ever"))]
+    llm = make_llm(model, NGRAM, 4, tokenizer=TOK, grammar_forced_drafts=8, speculative_window="cost")
+    reqs = drive(llm, plan)
+    assert "".join(TOK.decode([t]) for t in reqs[0].output_ids).startswith("forced and nothing else")
+    trials = llm.engine.policy.trials.pooled
+    assert llm.engine.stats.num_accepted_tokens > 0 and trials["grammar"][0] > 0
+    assert set(trials) == {"grammar"}, trials  # the prompt lookup drafted nothing here
+
+
 @pytest.mark.parametrize("algo,opts", [("eagle3", {}), ("eagle3", {"speculative_eagle_topk": 2}),
                                        ("mtp", {}), ("dflash", {}), ("dspark", {}),
                                        ("dspark", {"speculative_lattice_topk": 3}),

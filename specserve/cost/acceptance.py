@@ -53,13 +53,12 @@ def pooled_acceptance(trials: AcceptTrials | None, source: str, optimism: float 
     return prior, optimism * (prior * (1 - prior) / (pt + 3)) ** 0.5
 
 
-
 def accept_curves(reqs: list[Request], plan: DraftPlan, proposal: Proposal,
                   trials: AcceptTrials | None = None) -> list[list[float]]:
     """Per request, P(draft positions 1..i all accepted) for i = 1..min(drafted, window): the
     cumulative product of the drafter's per-token confidence (a NaN entry: the request's acceptance
-    estimate), or α^i from the request's acceptance so far (of its source in `plan`; windows: plan.windows). For a tree entry i is P(node i accepted) = the
-    product over its path, which is non-increasing in the tree's best-first order, so cutting a prefix keeps
+    estimate), or α^i from the request's acceptance so far (of its source in `plan`; windows: plan.windows).
+    For a tree entry i is P(node i accepted) = the product over its path, which is non-increasing in the tree's best-first order, so cutting a prefix keeps
     the most likely nodes."""
     out = []
     for b, r in enumerate(reqs):

@@ -71,7 +71,8 @@ def cost_windows(reqs: list[Request], limits: list[int], cost: CostModel, draft_
     raised by `optimism` standard deviations.
     Returns the windows and the curves' predicted step time for them (without `per_request`)."""
     sources = sources or [DEFAULT_SOURCE] * len(reqs)
-    alphas = [acceptance_estimate(r.request_id, s, trials, optimism) for r, s in zip(reqs, sources)] if gains is None else []
+    alphas = [] if gains is not None else [acceptance_estimate(r.request_id, s, trials, optimism)
+                                           for r, s in zip(reqs, sources)]
     over = per_request if isinstance(per_request, list) else [per_request] * len(reqs)
 
     def gain(b: int, j: int) -> float:

@@ -24,7 +24,6 @@ class SyntheticDrafter(StandaloneDrafter):
         self.supplies_q = False
         self.rng = torch.Generator().manual_seed(seed)
         self.rngs: dict[str, torch.Generator] = {}
-        self.vocab = runner.model.cfg.vocab_size
 
     def _rng(self, req: Request) -> torch.Generator:
         """Per-request error stream: a seeded request must not depend on its batch neighbours."""

@@ -24,7 +24,7 @@ import torch
 from ..cache.kv_pool import KVPool
 from ..cache.state_pool import StatePool
 from ..config import EngineConfig
-from ..core import AcceptResult, DraftPlan, Proposal, Request, SamplingParams, SpecStats, Status
+from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status
 from ..cost.policy import StepStats, WindowPolicy
 from ..drafters.base import Drafter
 from ..drafters.context import SpecSettings
@@ -71,6 +71,8 @@ class Engine:
         self.drafter, self.policy, self.max_model_len = parts.drafter, parts.policy, parts.max_model_len
         self.settings, self.verify_mode = parts.settings, parts.config.speculative_verify_packing
         self.num_draft_tokens = parts.settings.num_draft_tokens if self.drafter else 0
+        # target layers whose hidden states the drafter consumes; () = capture nothing
+        self.aux_layers: tuple[int, ...] = self.drafter.aux_layers if self.drafter else ()
         mcfg, config = self.model.cfg, self.config
         self.stats = SpecStats()
         # structured output: forced-token drafts may run past the drafter's window (grammar requests only)
@@ -138,8 +140,7 @@ class Engine:
         return touched + [r for r in self._failed if r not in touched]
 
     def _prefill(self, chunks: list[tuple[Request, int]]) -> list[Request]:
-        aux_layers = self.drafter.aux_layers if self.drafter else ()  # target layers the drafter consumes
-        aux = tuple(sorted(aux_layers))
+        aux = tuple(sorted(self.aux_layers))
 
         def forward(cs: list[tuple[Request, int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
             starts = [r.committed_len for r, _ in cs]
@@ -151,7 +152,7 @@ class Engine:
             if states is not None:  # a prefill chunk is committed whole: its last row's state is final
                 for (r, _), rows in zip(cs, states.split([n for _, n in cs])):
                     self.states.write(r.state_slot, rows, 0)
-            feats = split_features(captured, aux_layers, [n for _, n in cs]) if aux else [None] * len(cs)
+            feats = split_features(captured, self.aux_layers, [n for _, n in cs]) if aux else [None] * len(cs)
             return [(row if f else None, x) for row, f, x in zip(logits, first, feats)]
 
         done = isolate(forward, chunks, lambda c, e: self._fail_exc(c[0], "prefill", e))
@@ -169,9 +170,11 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
         t0 = time.perf_counter()
-        d = self.draft_stage.run(reqs)                                      # DRAFT under the window policy
-        reqs, plan, proposal, logits, extras = self._verify(d.reqs, d.plan, d.proposal)  # VERIFY: one forward
-        accepted = self._accept(reqs, proposal, logits, extras, plan.sources)  # ACCEPT: a rule per request
+        d = self.draft_stage.run(reqs)                                # DRAFT under the window policy
+        reqs, proposal, logits, extras = self._verify(d.reqs, d.proposal)      # VERIFY: one target forward
+        source = dict(zip((r.request_id for r in d.reqs), d.plan.sources))
+        accepted = self._accept(reqs, proposal, logits, extras,             # ACCEPT: a lossless rule per request
+                                [source[r.request_id] for r in reqs])
         committed = self.commit_stage.run(accepted)                  # COMMIT: keep, advance, emit, draft state
         emitted = sum(c.emitted for c in committed)
         self.policy.observe(StepStats(time.perf_counter() - t0, len(reqs), d.drafted, emitted, self._after_prefill,
@@ -179,20 +182,16 @@ class Engine:
         self._after_prefill = False
         return reqs
 
-    def _verify(self, reqs: list[Request], plan: DraftPlan, proposal: Proposal
-                ) -> tuple[list[Request], DraftPlan, Proposal, list[torch.Tensor], list]:
-        """(requests verified, their plan and proposals, raw logits, per request (features, recurrent row states))."""
-        aux = self.drafter.aux_layers if self.drafter else ()
-
-        def run(it: list[tuple[Request, DraftPlan, Proposal]]) -> list[tuple[torch.Tensor, tuple]]:
-            logits, feats, states = verify(self.runner, [r for r, _, _ in it], Proposal.join([p for _, _, p in it]),
-                                           self.verify_mode, aux)
+    def _verify(self, reqs: list[Request], proposal: Proposal) -> tuple[list[Request], Proposal, list[torch.Tensor], list]:
+        """(requests verified, their proposals, raw logits, per request (features, recurrent row states))."""
+        def run(it: list[tuple[Request, Proposal]]) -> list[tuple[torch.Tensor, tuple]]:
+            logits, feats, states = verify(self.runner, [r for r, _ in it], Proposal.join([p for _, p in it]),
+                                           self.verify_mode, self.aux_layers)
             return list(zip(logits, zip(feats or [None] * len(it), states or [None] * len(it))))
 
-        done = isolate(run, list(zip(reqs, plan.split(), proposal.split())),
-                       lambda it, e: self._fail_exc(it[0], "verify", e))
-        return ([r for (r, _, _), _ in done], DraftPlan.join([p for (_, p, _), _ in done]),
-                Proposal.join([p for (_, _, p), _ in done]) if done else Proposal.empty(0),
+        done = isolate(run, list(zip(reqs, proposal.split())), lambda it, e: self._fail_exc(it[0], "verify", e))
+        parts = [p for (_, p), _ in done]
+        return ([r for (r, _), _ in done], Proposal.join(parts) if parts else Proposal.empty(0),
                 [x for _, (x, _) in done], [extra for _, (_, extra) in done])
 
     def _accept(self, reqs: list[Request], proposal: Proposal, logits: list[torch.Tensor],

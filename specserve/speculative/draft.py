@@ -24,6 +24,7 @@ import torch
 from ..cache.kv_pool import KVPool
 from ..core import DraftPlan, Proposal, Request, SpecStats
 from ..cost.policy import WindowPolicy
+from ..cost.windows import DEFAULT_SOURCE
 from ..drafters.base import Drafter
 from ..runtime.isolate import isolate
 from .grammar import cut_to_grammar, forced_drafts, with_forced
@@ -103,7 +104,7 @@ class DraftStage:
         """Each request's source and window (all 0 without a drafter, or when the policy idles this step)."""
         d = self.drafter
         if d is None or self.policy.idle(len(reqs)):
-            return DraftPlan([d.sources[-1] if d else "draft"] * len(reqs), [0] * len(reqs))
+            return DraftPlan([d.sources[-1] if d else DEFAULT_SOURCE] * len(reqs), [0] * len(reqs))
         self._model_back(reqs)
         off = [r.request_id in self.model_off for r in reqs]
         # NOTE: a request the draft model is off for drafts from the cheapest source, and not at all from a

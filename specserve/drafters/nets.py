@@ -18,7 +18,8 @@ from torch import nn
 
 from ..models.config import ModelConfig
 from ..models.forward_batch import ForwardBatch
-from ..models.llama import LlamaModel, apply_rope, paged_attention, rope_inv_freq
+from ..models.attention import apply_rope, paged_attention, rope_inv_freq
+from ..models.llama import LlamaModel
 
 ALGORITHMS = ("eagle3", "mtp", "dflash", "dspark")
 

@@ -36,7 +36,8 @@ from ..runtime.output import Emitter
 from ..runtime.runner import ModelRunner, split_features
 from ..runtime.sampling import request_generator
 from ..speculative.accept import accept_request
-from ..speculative.commit import AdvanceKV, CommitStage, CommitState, Committed, DraftState, Emit, KeepPath
+from ..speculative.commit import (AdvanceKV, CommitStage, CommitState, Committed, DraftState, Emit, KeepPath,
+                                  SlideWindow)
 from ..speculative.draft import DraftStage
 from ..speculative.verify import verify
 from .prefix import PrefixCaching
@@ -88,8 +89,11 @@ class Engine:
         # A request can never hold more positions than the pool has slots: stop it there ("length")
         # instead of letting it wait forever for pages that can never be freed.
         self.emitter = Emitter(self.tokenizer, self.eos_ids, min(self.max_model_len, self.kv.num_slots))
+        window = mcfg.kv_window
+        self.slide = None if window is None else SlideWindow(
+            self.kv, window, None if self.prefix is None else self.prefix.insert)
         steps = [KeepPath(self.kv), *([CommitState(self.states)] if self.states else []), AdvanceKV(),
-                 Emit(self.emitter, self.stats, self.policy.trials, self._finish)]
+                 *([self.slide] if self.slide else []), Emit(self.emitter, self.stats, self.policy.trials, self._finish)]
         self.commit_stage = CommitStage(steps + ([DraftState(self.drafter)] if self.drafter else []), self._fail)
         self._grammars = GrammarCompiler(config.grammar_backend, self.tokenizer, mcfg.vocab_size, self.eos_ids)
         self._seed_rng = random.Random(config.seed)
@@ -159,7 +163,9 @@ class Engine:
         starts = [r.committed_len for (r, _), _ in done]
         for (r, n), _ in done:
             r.committed_len += n
-            if self.prefix is not None:
+            if self.slide is not None:
+                self.slide.slide(r)
+            elif self.prefix is not None:
                 self.prefix.insert(r)
         self.draft_stage.prefill([(r, s, n) for ((r, n), _), s in zip(done, starts)], [x for _, (_, x) in done],
                                  self.scheduler.batch_ahead)

@@ -22,9 +22,6 @@ from .quant_ref import KQ, pack, pack_kquant
 
 GROUP = 32
 MODES = ("int4", "w4a8", "w8a8")
-# layer attribute → the HF projections fused into it (rows concatenated: blocks stay intact)
-_PARTS = {"qkv_w": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_w": ("self_attn.o_proj",),
-          "gate_up_w": ("mlp.gate_proj", "mlp.up_proj"), "down_w": ("mlp.down_proj",)}
 
 
 def quantize_blocks(w: torch.Tensor, bits: int) -> BlockCodes:
@@ -256,7 +253,7 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCo
 
     ok = Int4Weight.supported if mode == "int4" else BlockQuantWeight.supported
     for i, layer in enumerate(model.layers):
-        for name, parts in _PARTS.items():
+        for name, parts in model.PARTS.items():  # layer attribute → the HF-named weights fused into it
             w = getattr(layer, name)
             names = [f"model.layers.{i}.{p}.weight" for p in parts]
             if not ok(w):

@@ -126,10 +126,14 @@ def _hf_config(path: Path) -> ModelConfig:
 def _load_hf_dir(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
+    from .names import split_rows
+
     weights: dict[str, torch.Tensor] = {}
     for shard in sorted(path.glob("*.safetensors")):  # one shard at a time keeps peak memory near the largest shard
         for k, v in load_file(str(shard)).items():
-            weights[k] = v.to(dtype) if v.is_floating_point() else v
+            v = v.to(dtype) if v.is_floating_point() else v
+            for name, rows in split_rows(cfg, k):  # a family's fused tensor → llama's parts (phi3)
+                weights[name] = v[rows]
     if "lm_head.weight" not in weights and not cfg.tie_word_embeddings:
         # Some exports drop the duplicate head without setting the flag; it must then be tied.
         cfg = replace(cfg, tie_word_embeddings=True)

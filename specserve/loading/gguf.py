@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,41 +12,21 @@ import torch
 
 from ..models.config import ModelConfig
 from ..formats.gguf_blocks import BlockCodes, UnsupportedBlockType, gguf_blocks
-from ..models.registry import normalize_architecture
+from ..models.registry import family, normalize_architecture
 from ..tokenizer.tokenizer import Tokenizer
+from .names import hf_name, layer_names, split_rows
 
 log = logging.getLogger(__name__)
 
 _SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
-# GGUF per-layer leaf name → HF leaf name (under model.layers.{i}.).
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors llama.cpp writes that carry no HF parameter (handled via config instead).
-_SKIP = {"rope_freqs.weight"}
+_SKIP = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """HF parameter name for a GGUF tensor name, or None if we don't know it."""
-    m = _BLK.match(gguf_name)
-    if m:
-        leaf = _LAYER_NAMES.get(m.group(2))
-        return None if leaf is None else f"model.layers.{m.group(1)}.{leaf}.{m.group(3)}"
-    stem, _, kind = gguf_name.rpartition(".")
-    base = _GLOBAL_NAMES.get(stem)
-    return None if base is None else f"{base}.{kind}"
 
 
 def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -66,7 +45,7 @@ def _rope_scaling(reader: Any, arch: str, freqs: np.ndarray | None, head_dim: in
     kind = _field(reader, f"{arch}.rope.scaling.type")
     factor = _field(reader, f"{arch}.rope.scaling.factor")
     orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
-    # NOTE: only what rope_inv_freq (llama.py) computes is read: a type it lacks (yarn) is refused here, by name
+    # NOTE: only what rope_inv_freq (models/attention.py) computes is read: a type it lacks (yarn) is refused here, by name
     if kind == "linear" and factor:
         out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
         if orig:
@@ -107,8 +86,9 @@ def _llama3_from_freqs(freqs: np.ndarray, head_dim: int, theta: float) -> dict[s
 
 
 def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]],
-                rope_freqs: np.ndarray | None = None) -> ModelConfig:
-    """ModelConfig from GGUF metadata. `tensor_shapes` are HF-order shapes keyed by GGUF name."""
+                tensor: Any = lambda name: None) -> ModelConfig:
+    """ModelConfig from GGUF metadata. `tensor_shapes` are HF-order shapes keyed by GGUF name; `tensor(name)`
+    reads a small tensor (fp32 numpy) or gives None (rope_freqs, a family's rope factors)."""
     arch_raw = _field(reader, "general.architecture")
     arch = normalize_architecture(str(arch_raw))
     g = lambda k, d=None: _field(reader, f"{arch_raw}.{k}", d)  # noqa: E731
@@ -129,7 +109,7 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]],
     # The embedding row count is what the model needs; token lists are normally the same length.
     vocab = emb[0] if emb else len(tokens)
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
+    cfg = ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -140,7 +120,7 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]],
         head_dim=head_dim,
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(reader, str(arch_raw), rope_freqs, head_dim, theta),
+        rope_scaling=_rope_scaling(reader, str(arch_raw), tensor("rope_freqs.weight"), head_dim, theta),
         max_position_embeddings=int(g("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
@@ -148,6 +128,8 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]],
         bos_token_id=int(bos) if bos is not None else None,
         name=str(_field(reader, "general.name") or ""),
     )
+    extra = getattr(family(arch), "config_from_gguf", None)  # the family's own metadata
+    return cfg if extra is None else extra(cfg, g, tensor)
 
 
 def tensor_shape(t: Any) -> tuple[int, ...]:
@@ -173,6 +155,7 @@ def open_gguf(path: Path) -> tuple[Any, ModelConfig, Tokenizer]:
         arch = normalize_architecture(str(_field(reader, "general.architecture")))
     except ValueError as e:
         raise ValueError(f"{path.name}: {e}") from None
+    names = layer_names(arch)
     for t in reader.tensors:
         if t.tensor_type.name not in _SUPPORTED_QTYPES:
             raise ValueError(f"{path.name}: tensor {t.name!r} has GGUF block type {t.tensor_type.name}, which "
@@ -180,13 +163,17 @@ def open_gguf(path: Path) -> tuple[Any, ModelConfig, Tokenizer]:
         if int(t.data_offset) + int(t.n_bytes) > size:
             raise ValueError(f"{path.name}: tensor {t.name!r} ends at byte {int(t.data_offset) + int(t.n_bytes)} "
                              f"but the file has {size} bytes: the file is truncated")
-        if t.name not in _SKIP and hf_name(t.name) is None:
+        if t.name not in _SKIP and hf_name(t.name, names) is None:
             raise ValueError(f"{path.name}: unexpected GGUF tensor {t.name!r} for a {arch} model (a {arch} layer "
-                             f"has: {', '.join(sorted(_LAYER_NAMES))})")
+                             f"has: {', '.join(sorted(names))})")
     shapes = {t.name: tensor_shape(t) for t in reader.tensors}
-    freqs = next((np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-                  for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    cfg = read_config(reader, shapes, freqs)
+    by_name = {t.name: t for t in reader.tensors}
+
+    def tensor(name: str) -> np.ndarray | None:
+        t = by_name.get(name)
+        return None if t is None else np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+    cfg = read_config(reader, shapes, tensor)
     tokenizer = Tokenizer.from_gguf(reader)
     return reader, replace(cfg, eos_token_ids=tokenizer.eos_token_ids), tokenizer
 
@@ -209,29 +196,40 @@ def gguf_weights(reader: Any, cfg: ModelConfig, name: str, dtype: torch.dtype = 
 
     # llama.cpp only permutes q/k for the llama family (incl. mistral/smollm); qwen keeps HF layout.
     permuted = cfg.architecture == "llama"
+    names = layer_names(cfg.architecture)
 
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in _SKIP:
             continue
-        name = hf_name(t.name)
         shape = tensor_shape(t)
         arr = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(shape), dtype=np.float32)
         if not arr.flags.writeable:  # F32 comes back as a view of the read-only mmap: own a copy
             arr = arr.copy()
-        w = torch.from_numpy(arr)
+        whole = torch.from_numpy(arr)
         try:
-            codes = None if blocks is None else gguf_blocks(t.data, t.tensor_type.name, shape, t.name)
+            whole_codes = None if blocks is None else gguf_blocks(t.data, t.tensor_type.name, shape, t.name)
         except UnsupportedBlockType:  # Q2_K/Q3_K: dequantized here, re-quantized by the mode
-            codes = None
-        if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
-            n = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-            w = unpermute_rotary(w, n)
-            # NOTE: a row permutation moves whole rows, so every block stays exact
-            codes = None if codes is None else codes.rows(lambda r: unpermute_rotary(r, n).contiguous())
-        if codes is not None:
-            blocks[name] = codes
-        weights[name] = w.to(dtype).contiguous()
-        del arr, w
+            whole_codes = None
+        for name, rows in split_rows(cfg, hf_name(t.name, names)):  # a fused tensor: its parts' rows
+            w = whole[rows]
+            # NOTE: whole rows move, so every block stays exact
+            codes = None if whole_codes is None else whole_codes.rows(lambda r: r[rows].contiguous())
+            if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+                n = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+                w = unpermute_rotary(w, n)
+                codes = None if codes is None else codes.rows(lambda r: unpermute_rotary(r, n).contiguous())
+            if codes is not None:
+                blocks[name] = codes
+            weights[name] = hf_form(cfg, name, w, dtype)
+        del arr, whole
     log.info("loaded GGUF %s: %d tensors, %s", name, len(weights), cfg.architecture)
     return weights
+
+
+def hf_form(cfg: ModelConfig, name: str, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A GGUF tensor as its HF checkpoint holds it: gemma's norms are stored as offset + w in the file, and
+    come back as w in float64 (exact, so the load's offset + w is the file's value again)."""
+    if cfg.norm_offset and name.endswith("norm.weight"):
+        return w.double() - cfg.norm_offset
+    return w.to(dtype).contiguous()

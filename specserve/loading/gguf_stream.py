@@ -20,7 +20,9 @@ import torch
 from ..memory import check_memory, peak_rss_bytes
 from ..models.embedding import GGUFEmbedding
 from ..formats.gguf_blocks import NATIVE
-from .gguf import hf_name, tensor_shape, unpermute_rotary
+from .gguf import hf_form, tensor_shape, unpermute_rotary
+from .names import hf_name, layer_names, split_rows
+from ..models.config import ModelConfig
 from ..formats.gguf_repack import RawBlocks
 from ..models.llama import LlamaModel
 from .checkpoint import Checkpoint
@@ -32,45 +34,56 @@ log = logging.getLogger(__name__)
 
 class GGUFTensors(Mapping):
     """HF name → the file's tensor, read on access: `[name]` dequantizes (fp32, q/k rows un-permuted for the
-    llama family), `codes(name)` gives the raw blocks (RawBlocks) or None. Nothing is cached."""
+    llama family; a fused tensor's rows of that part; gemma's norms in their HF form), `codes(name)` gives the
+    raw blocks (RawBlocks) or None. Nothing is cached."""
 
-    def __init__(self, reader: Any, num_heads: int, num_kv_heads: int, permuted: bool) -> None:
-        self.reader = reader
-        self.by_name = {n: t for t in reader.tensors if (n := hf_name(t.name)) is not None}
-        self.heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if permuted else {}
+    def __init__(self, reader: Any, cfg: ModelConfig) -> None:
+        self.reader, self.cfg = reader, cfg
+        names = layer_names(cfg.architecture)
+        # HF name → (GGUF tensor, its rows)
+        self.by_name = {n: (t, rows) for t in reader.tensors if (h := hf_name(t.name, names)) is not None
+                        for n, rows in split_rows(cfg, h)}
+        permuted = cfg.architecture == "llama"
+        self.heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads} if permuted else {}
 
     def _rows(self, name: str) -> int | None:
         """Heads whose rows convert_hf_to_gguf interleaved, for a llama-family q/k weight, else None."""
         return next((n for p, n in self.heads.items() if f".self_attn.{p}." in name), None)
 
+    def tensor(self, name: str) -> Any:
+        """The GGUF tensor `name` is read from."""
+        return self.by_name[name][0]
+
     def __getitem__(self, name: str) -> torch.Tensor:
         from gguf.quants import dequantize
 
-        t = self.by_name[name]
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(tensor_shape(t))
+        t, rows = self.by_name[name]
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(tensor_shape(t))[rows]
         n = self._rows(name)
-        return w if n is None else unpermute_rotary(w, n).contiguous()
+        return hf_form(self.cfg, name, w if n is None else unpermute_rotary(w, n), torch.float32)
 
     def codes(self, name: str) -> RawBlocks | None:
         """The file's blocks, unconverted: `quantize_model` packs them straight from the map (C++)."""
-        t = self.by_name.get(name)
-        if t is None:
+        if name not in self.by_name:
             return None
+        t, rows = self.by_name[name]
         qtype, shape = t.tensor_type.name, tensor_shape(t)
         # float tensors stay dense; other block types are readable (dequantized) but have no exact integer
         # form: re-quantized alone
         if qtype not in NATIVE or len(shape) != 2:
             return None
+        data = t.data[rows]  # a fused tensor's part: a view of its rows, every block whole
+        shape = (int(data.shape[0]), shape[1])
         n = self._rows(name)
         # NOTE: a row permutation moves whole rows, so every block stays exact
         order = None if n is None else unpermute_rotary(torch.arange(shape[0]), n).contiguous()
-        return RawBlocks(t.data, qtype, shape, order, t.name)
+        return RawBlocks(data, qtype, shape, order, t.name)
 
     def release(self, names: list[str]) -> None:
         """Those tensors are copied out: drop their mapped pages from the RSS (GGUFFile.release)."""
         for n in names:
             if n in self.by_name and hasattr(self.reader, "release"):
-                self.reader.release(self.by_name[n])
+                self.reader.release(self.by_name[n][0])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.by_name)
@@ -104,12 +117,12 @@ def load_quantized_gguf(ckpt: Checkpoint, mode: str, dtype: torch.dtype, reserve
     check_quantizable(cfg, mode)
     check_memory(resident_estimate(reader) + reserve_bytes,
                  f"{path.name} ({mode}) with {reserve_bytes / 2**30:.2f} GiB of KV cache")
-    tensors = GGUFTensors(reader, cfg.num_heads, cfg.num_kv_heads, permuted=cfg.architecture == "llama")
+    tensors = GGUFTensors(reader, cfg)
     # NOTE: parameters are torch.empty: their pages are never touched for the matrices swapped out below
     model = model_class(cfg.architecture)(cfg, dtype)
     model.load_weights(tensors, matrices=False)
     quantize_model(model, mode, tensors.codes, dense=tensors.__getitem__, head_rows=head_rows, done=tensors.release)
-    emb = tensors.by_name["model.embed_tokens.weight"]
+    emb = tensors.tensor("model.embed_tokens.weight")
     # a dense table in the file, or a tied head left float: the embedding stays a dense parameter
     if emb.tensor_type.name in ("F32", "F16", "BF16") or model.lm_head is model.embed:
         model.embed.copy_(tensors["model.embed_tokens.weight"])

@@ -7,7 +7,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # registry key: "llama" | "qwen2" | "qwen3" | "qwen3_5"
+    architecture: str  # registry key (models/registry.py FAMILIES)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -25,9 +25,18 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = ""  # human-readable model name (for logs, /v1/models, drafter matching)
-    # hybrid targets (qwen3_5): per layer "full_attention" or "linear_attention" (Gated DeltaNet);
-    # () = every layer is attention
+    # per layer "full_attention", "sliding_attention" (sees positions > p − sliding_window) or
+    # "linear_attention" (Gated DeltaNet, hybrid qwen3_5); () = every layer is full attention
     layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None  # gemma3: the sliding layers' RoPE base (unscaled); None = rope_theta
+    attention_scale: float | None = None  # q·k multiplier; None = head_dim ** -0.5 (gemma: query_pre_attn_scalar)
+    attn_softcap: float | None = None  # gemma2: scores → cap · tanh(scores / cap)
+    final_softcap: float | None = None  # gemma2: logits → cap · tanh(logits / cap)
+    hidden_act: str = "silu"  # the MLP gate's activation: "silu" | "gelu_tanh"
+    sandwich_norms: bool = False  # gemma2/3: attention and MLP outputs are RMS-normed before the residual add
+    norm_offset: float = 0.0  # gemma: a checkpoint stores w, the norm multiplies by (norm_offset + w)
+    embed_scale: float = 1.0  # gemma: embeddings × sqrt(hidden_size)
     partial_rotary_factor: float = 1.0  # RoPE rotates only the first head_dim * factor dims
     linear_conv_kernel: int = 4
     linear_num_key_heads: int = 0
@@ -45,7 +54,18 @@ class ModelConfig:
         """Indices of the layers that keep K/V in the paged pool (all of them for pure attention)."""
         if not self.layer_types:
             return tuple(range(self.num_layers))
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+        return tuple(i for i, t in enumerate(self.layer_types) if t != "linear_attention")
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window, None for full attention."""
+        return self.sliding_window if self.layer_types and self.layer_types[i] == "sliding_attention" else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every attention layer slides (Mistral): positions behind it are never read again,
+        so their pages can go. None when any layer attends to the whole context."""
+        ws = {self.layer_window(i) for i in self.attention_layers}
+        return ws.pop() if len(ws) == 1 and None not in ws else None
 
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
@@ -79,64 +99,45 @@ class ModelConfig:
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any], name: str = "") -> "ModelConfig":
         """Build from a parsed HF `config.json`. Raises ValueError on an unsupported architecture."""
-        from .registry import architecture_from_hf
+        from .registry import architecture_from_hf, family
 
         arch = architecture_from_hf(cfg)
-        if arch == "qwen3_5":
-            return _qwen3_5_from_hf(cfg.get("text_config") or cfg, name)
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "qwen2"),
-            qk_norm=arch == "qwen3",
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            name=name,
-        )
+        return family(arch).config_from_hf(cfg, arch, name)
 
 
-_LAYER_TYPES = ("full_attention", "linear_attention")
-
-
-def _qwen3_5_from_hf(cfg: dict[str, Any], name: str) -> ModelConfig:
-    """Qwen3.5 text config (`Qwen3_5ForCausalLM`, or the `text_config` of the multimodal checkpoint)."""
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or [
-        "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0 else "linear_attention" for i in range(n)]
-    if len(types) != n or any(t not in _LAYER_TYPES for t in types):
-        raise ValueError(f"config.json layer_types must list {n} entries from {_LAYER_TYPES}, got {types!r}")
-    if "full_attention" not in types:
-        raise ValueError("config.json layer_types: a qwen3_5 model needs at least one full_attention layer")
-    rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"unsupported rope_parameters.rope_type {rope.get('rope_type')!r} for qwen3_5; supported: default")
-    heads = cfg["num_attention_heads"]
+def eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
-    return ModelConfig(
-        architecture="qwen3_5", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"], num_layers=n, num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads), head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+
+def decoder_from_hf(cfg: dict[str, Any], arch: str, name: str, **extra: Any) -> ModelConfig:
+    """The geometry every llama-shaped decoder's `config.json` states the same way; `extra` adds or overrides
+    the family's own fields."""
+    heads = cfg["num_attention_heads"]
+    base: dict[str, Any] = dict(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=(cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        rope_scaling=cfg.get("rope_scaling"),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False), attention_bias=cfg.get("attention_bias", False),
-        qk_norm=True, bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()), name=name,
-        layer_types=tuple(types), partial_rotary_factor=rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)),
-        linear_conv_kernel=cfg.get("linear_conv_kernel_dim", 4), linear_num_key_heads=cfg["linear_num_key_heads"],
-        linear_num_value_heads=cfg["linear_num_value_heads"], linear_key_head_dim=cfg["linear_key_head_dim"],
-        linear_value_head_dim=cfg["linear_value_head_dim"])
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("attention_bias", False),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids(cfg),
+        name=name,
+    )
+    base.update(extra)
+    return ModelConfig(**base)
+
+
+def checked_layer_types(types: list[str] | tuple[str, ...], n: int, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    if len(types) != n or any(t not in allowed for t in types):
+        raise ValueError(f"config.json layer_types must list {n} entries from {allowed}, got {list(types)!r}")
+    return tuple(types)

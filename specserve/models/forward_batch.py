@@ -23,6 +23,8 @@ class Padded:
     attn_mask: torch.Tensor | None  # [B, 1, q_max, L] bool, True = may attend; None = attend to all
     uniform_q: int | None  # every request has this many new tokens: packed == [B, q] view
     ctx_start: int | None  # one request whose context is slots [ctx_start, ctx_start + L): slice, no gather
+    q_pos: torch.Tensor  # [B, q_max] int64, each query's position (a layer's own sliding window compares these)
+    kv_pos: torch.Tensor  # [B, L] int64, each context entry's position
 
 
 @dataclass
@@ -80,7 +82,7 @@ class ForwardBatch:
         no_mask = ((uniform == 1 or not self.causal) and int(ctx_lens.min()) == L and self.mask is None
                    and self.window is None)
         start = int(ctx[0, 0]) if B == 1 and torch.equal(ctx[0], torch.arange(int(ctx[0, 0]), int(ctx[0, 0]) + L)) else None
-        return Padded(q_index, q_valid, ctx, None if no_mask else mask[:, None], uniform, start)
+        return Padded(q_index, q_valid, ctx, None if no_mask else mask[:, None], uniform, start, q_pos, kv_pos)
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:

@@ -52,11 +52,20 @@ def reference_layers() -> Iterator[None]:
         _state["enabled"] = old
 
 
-def attention(q: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Ragged paged attention of packed q [T, H, hd] (K/V already in the pool) → [T, H * hd]."""
+def attention(q: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """Ragged paged attention of packed q [T, H, hd] (K/V already in the pool) → [T, H * hd]. `window`: the
+    layer's sliding window, on top of the batch's; `scale`: q·k multiplier (default hd ** -0.5)."""
     return torch.ops.specserve.paged_attention(
         q, k_cache, v_cache, fb.q_start, fb.positions, fb.ctx_slots, fb.ctx_start, fb.ctx_first, fb.mask,
-        fb.mask_start, fb.causal and fb.mask is None, fb.window or 0, 1.0 / math.sqrt(q.shape[-1]))
+        fb.mask_start, fb.causal and fb.mask is None, combined_window(fb.window, window),
+        1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+
+
+def combined_window(a: int | None, b: int | None) -> int:
+    """The narrower of two sliding windows, as the kernels take it (0 = none)."""
+    ws = [w for w in (a, b) if w]
+    return min(ws) if ws else 0
 
 
 def counters(reset: bool = False) -> tuple[int, int]:

@@ -1,20 +1,24 @@
-"""Llama-family decoder (Llama/SmolLM, Qwen2 with qkv bias, Qwen3 with q/k norm) over a paged KV pool.
+"""The decoder every llama-shaped family composes (Llama/SmolLM, Qwen2 with qkv bias, Qwen3 with q/k norm; and
+through config switches Mistral's sliding window, Phi-3's fused checkpoints, Gemma's sandwich norms, GeLU,
+soft-caps and local/global layers) over a paged KV pool.
 
-One module for all three: the differences are config switches. Projections are fused at load time
-(q|k|v and gate|up) so a layer is two matmuls into attention and two through the MLP.
+Projections are fused at load time (q|k|v and gate|up) so a layer is two matmuls into attention and two
+through the MLP. A family module subclasses `LlamaModel` only to name its checkpoint's tensors (PARTS, NORMS).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, decoder_from_hf
 from . import fused
+from .attention import apply_rope, paged_attention, rope_tables
 from .forward_batch import ForwardBatch
 from .embedding import GGUFEmbedding
 from ..formats.quant import BlockQuantWeight, linear
@@ -23,67 +27,24 @@ if TYPE_CHECKING:
     from .tp import TensorParallel
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with llama3 scaling when the config asks for it (as HF computes them)."""
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-    rs = cfg.rope_scaling or {}
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind in (None, "default"):
-        return inv
-    if kind == "linear":
-        return inv / rs["factor"]
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
-    factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-    old_ctx = rs.get("original_max_position_embeddings", 8192)
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
-    smooth = (old_ctx / wavelen - lo) / (hi - lo)
-    mid = (1 - smooth) * scaled / factor + smooth * scaled
-    is_mid = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
-    return torch.where(is_mid, mid, scaled)
+# the fused projections: each layer attribute and the (canonical, HF-named) parts concatenated into it
+PARTS = {"qkv_w": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_w": ("self_attn.o_proj",),
+         "gate_up_w": ("mlp.gate_proj", "mlp.up_proj"), "down_w": ("mlp.down_proj",)}
+# each layer's norms: attribute → HF leaf (a norm the config does not switch on is None and skipped)
+NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
+         "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, hd]; cos/sin [T, 1, hd]. Non-interleaved (rotate-half) layout, as HF."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """q [T, H, hd], k/v [T, KVH, hd] of the packed new tokens → attention output [T, H * hd].
-    Writes k/v at fb.slot_mapping, then attends over each request's context slots. Fused (ragged,
-    C++) when the extension is on, else the padded pure-torch reference below."""
-    # NOTE: new K/V land in the pool first; the context read below includes them.
-    k_cache.index_copy_(0, fb.slot_mapping, k.to(k_cache.dtype))  # a bf16 pool under fp32: rounded once, here
-    v_cache.index_copy_(0, fb.slot_mapping, v.to(v_cache.dtype))
-    if fused.enabled():
-        return fused.attention(q, fb, k_cache, v_cache)
-    return reference_attention(q, fb, k_cache, v_cache)
-
-
-def reference_attention(q: torch.Tensor, fb: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """SDPA over the padded [B, q_max] × [B, L] rectangle (K/V already in the pool)."""
-    T, nq, hd = q.shape
-    pd = fb.padded
-    B = pd.ctx_slots.shape[0]
-    uq = pd.uniform_q
-    qp = (q.reshape(B, uq, nq, hd) if uq else q[pd.q_index]).transpose(1, 2)  # [B, H, q_max, hd]
-    if pd.ctx_start is not None:  # one request, consecutive pages: a view instead of a copy
-        span = slice(pd.ctx_start, pd.ctx_start + pd.ctx_slots.shape[1])
-        kc, vc = k_cache[span].unsqueeze(0).transpose(1, 2), v_cache[span].unsqueeze(0).transpose(1, 2)
-    else:
-        kc = k_cache[pd.ctx_slots].transpose(1, 2)  # [B, KVH, L, hd]
-        vc = v_cache[pd.ctx_slots].transpose(1, 2)
-    kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # a bf16 pool under fp32 queries: widened exactly
-    o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=pd.attn_mask, enable_gqa=nq != k_cache.shape[1])
-    o = o.transpose(1, 2)
-    return o.reshape(T, -1) if uq else o[pd.q_valid].reshape(T, -1)  # back to packed order
+def _act(name: str) -> "Any":
+    if name == "silu":
+        return F.silu
+    if name == "gelu_tanh":
+        return lambda t: F.gelu(t, approximate="tanh")
+    raise ValueError(f"unsupported MLP activation {name!r}; supported: silu, gelu_tanh")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.nq, self.nkv, self.hd, self.eps = cfg.num_heads, cfg.num_kv_heads, hd, cfg.rms_norm_eps
@@ -95,29 +56,37 @@ class DecoderLayer(nn.Module):
         self.q_norm = e(hd) if cfg.qk_norm else None
         self.k_norm = e(hd) if cfg.qk_norm else None
         self.o_w = e(h, self.nq * hd)
-        self.post_norm = e(h)
+        self.post_norm = e(h)  # before the MLP
         self.gate_up_w = e(2 * cfg.intermediate_size, h)
         self.down_w = e(h, cfg.intermediate_size)
+        # sandwich norms (gemma): the attention and MLP outputs are normed before their residual add
+        self.attn_out_norm = e(h) if cfg.sandwich_norms else None
+        self.mlp_out_norm = e(h) if cfg.sandwich_norms else None
+        self.window, self.scale, self.softcap = cfg.layer_window(index), cfg.attention_scale, cfg.attn_softcap
+        self.local = self.window is not None and cfg.rope_local_theta is not None  # its own RoPE tables
+        self.act_name, self.act = cfg.hidden_act, _act(cfg.hidden_act)
         self.tp: "TensorParallel | None" = None  # a tensor-parallel shard: row-parallel outputs are all-reduced
 
     def _reduce(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.tp is None else self.tp.all_reduce(t)
 
+    def _norm(self, t: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        return t if w is None else F.rms_norm(t, (t.shape[-1],), w, self.eps)
+
     def forward(
         self, x: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        h = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        h = self._norm(x, self.input_norm)
         q, k, v = self._qkv(h)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, fb, k_cache, v_cache)
-        x = x + self._reduce(linear(o, self.o_w))
-        h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
-        gate, up = linear(h, self.gate_up_w).chunk(2, dim=-1)
-        return x + self._reduce(linear(F.silu(gate) * up, self.down_w))
+        o = paged_attention(q, k, v, fb, k_cache, v_cache, self.window, self.scale, self.softcap)
+        x = x + self._norm(self._reduce(linear(o, self.o_w)), self.attn_out_norm)
+        gate, up = linear(self._norm(x, self.post_norm), self.gate_up_w).chunk(2, dim=-1)
+        return x + self._norm(self._reduce(linear(self.act(gate) * up, self.down_w)), self.mlp_out_norm)
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Packed rows [T, H] → q [T, nq, hd], k, v [T, nkv, hd] (Qwen3: q/k RMS-normed per head)."""
+        """Packed rows [T, H] → q [T, nq, hd], k, v [T, nkv, hd] (Qwen3, Gemma 3: q/k RMS-normed per head)."""
         T = h.shape[0]
         q, k, v = linear(h, self.qkv_w, self.qkv_b).split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, k, v = q.view(T, self.nq, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
@@ -126,6 +95,11 @@ class DecoderLayer(nn.Module):
             k = F.rms_norm(k, (self.hd,), self.k_norm, self.eps)
         return q, k, v
 
+    @property
+    def lean(self) -> bool:
+        """The fused loop's shape: pre-norms only, no score soft-cap."""
+        return self.attn_out_norm is None and self.softcap is None
+
     def forward_fused(self, x: torch.Tensor, h: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor,
                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Lean loop: h = input_norm(x) is given; x (the residual) gets the attention output added in
@@ -133,25 +107,35 @@ class DecoderLayer(nn.Module):
         ops = torch.ops.specserve
         q, k, v = self._qkv(h)
         ops.rope_kv_write(q, k, v, cos, sin, fb.positions, k_cache, v_cache, fb.slot_mapping)
-        o = self._reduce(linear(fused.attention(q, fb, k_cache, v_cache), self.o_w))
+        o = self._reduce(linear(fused.attention(q, fb, k_cache, v_cache, self.window, self.scale), self.o_w))
         h = ops.add_rms_norm(x, o, self.post_norm, self.eps)
-        return self._reduce(linear(ops.silu_mul(linear(h, self.gate_up_w)), self.down_w))
+        gu = linear(h, self.gate_up_w)
+        if self.act_name == "silu":
+            a = ops.silu_mul(gu)
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            a = self.act(gate) * up
+        return self._reduce(linear(a, self.down_w))
 
 
 class LlamaModel(nn.Module):
+    PARTS, NORMS = PARTS, NORMS
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        max_pos = cfg.max_position_embeddings
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), rope_inv_freq(cfg))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
+        cos, sin = rope_tables(cfg, dtype)
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+        if cfg.rope_local_theta is not None:  # gemma3: the sliding layers' own base, unscaled
+            cos, sin = rope_tables(cfg, dtype, cfg.rope_local_theta, scaled=False)
+        self.register_buffer("cos_local", cos, persistent=False)
+        self.register_buffer("sin_local", sin, persistent=False)
         self.tp: "TensorParallel | None" = None  # set by parallel.attach on a tensor-parallel shard
         self.head_ids: torch.Tensor | None = None  # a reduced head (draft models): the vocab ids of its rows
         self.logits_vocab = cfg.vocab_size  # a reduced head's logits width (a draft model: the target's vocabulary)
@@ -159,36 +143,40 @@ class LlamaModel(nn.Module):
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, GGUFEmbedding):  # the file's blocks, rows dequantized when gathered
-            return self.embed(ids)
-        return F.embedding(ids, self.embed) if self.tp is None else self.tp.embed(ids, self.embed)
+            x = self.embed(ids)
+        else:
+            x = F.embedding(ids, self.embed) if self.tp is None else self.tp.embed(ids, self.embed)
+        if self.cfg.embed_scale != 1.0:  # gemma: the multiplier rounded to the model's dtype first, as HF does
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        return x
 
     def embedding_table(self) -> torch.Tensor:
         """The embedding as a dense [V, H] tensor (drafters sharing it, training)."""
         return self.embed.dense() if isinstance(self.embed, GGUFEmbedding) else self.embed
 
+    def _rope(self, layer: DecoderLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.cos_local, self.sin_local) if layer.local else (self.cos_table, self.sin_table)
+
     @torch.no_grad()
     def load_weights(self, sd: "Mapping[str, torch.Tensor]", matrices: bool = True) -> None:
-        """Load HF-named weights, fusing q|k|v and gate|up. Missing tensors raise KeyError naming them.
-        `matrices=False`: norms and biases only (the streaming GGUF load packs the matrices itself)."""
+        """Load HF-named weights (the family's PARTS and NORMS), fusing q|k|v and gate|up. Missing tensors raise
+        KeyError naming them. `matrices=False`: norms and biases only (the streaming GGUF load packs the
+        matrices itself). Norms take the config's norm_offset (gemma's 1 + w), added in float64: exact."""
         cast = lambda name: sd[name].to(self.dtype)  # noqa: E731
-        self.norm.copy_(cast("model.norm.weight"))
+        off = self.cfg.norm_offset
+        norm = lambda name: (sd[name].double() + off).to(self.dtype) if off else cast(name)  # noqa: E731
+        self.norm.copy_(norm("model.norm.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a = p + "self_attn."
-            layer.input_norm.copy_(cast(p + "input_layernorm.weight"))
-            layer.post_norm.copy_(cast(p + "post_attention_layernorm.weight"))
+            for attr, leaf in self.NORMS.items():
+                if getattr(layer, attr) is not None:
+                    getattr(layer, attr).copy_(norm(f"{p}{leaf}.weight"))
             if layer.qkv_b is not None:
-                layer.qkv_b.copy_(torch.cat([cast(a + f"{n}_proj.bias") for n in "qkv"]))
-            if layer.q_norm is not None:
-                layer.q_norm.copy_(cast(a + "q_norm.weight"))
-                layer.k_norm.copy_(cast(a + "k_norm.weight"))
+                layer.qkv_b.copy_(torch.cat([cast(f"{p}{n}.bias") for n in self.PARTS["qkv_w"]]))
             if not matrices:
                 continue
-            layer.qkv_w.copy_(torch.cat([cast(a + f"{n}_proj.weight") for n in "qkv"]))
-            layer.o_w.copy_(cast(a + "o_proj.weight"))
-            m = p + "mlp."
-            layer.gate_up_w.copy_(torch.cat([cast(m + "gate_proj.weight"), cast(m + "up_proj.weight")]))
-            layer.down_w.copy_(cast(m + "down_proj.weight"))
+            for attr, parts in self.PARTS.items():
+                getattr(layer, attr).copy_(torch.cat([cast(f"{p}{n}.weight") for n in parts]))
         if matrices:
             self.embed.copy_(cast("model.embed_tokens.weight"))
             if not self.cfg.tie_word_embeddings:
@@ -203,14 +191,15 @@ class LlamaModel(nn.Module):
         [hidden after each layer in capture_layers, packed [T, H]])."""
         # NOTE: the fused loop never calls a layer module, so layers with forward hooks (tests that
         # poison one request's hidden rows, debugging) run the reference loop
-        if fused.enabled() and not any(layer._forward_hooks for layer in self.layers):
+        if (fused.enabled() and all(layer.lean for layer in self.layers)
+                and not any(layer._forward_hooks for layer in self.layers)):
             return self._forward_fused(fb, k_caches, v_caches, capture_layers)
         x = self.embed_tokens(fb.input_ids)
-        cos = self.cos_table[fb.positions].unsqueeze(1)
-        sin = self.sin_table[fb.positions].unsqueeze(1)
+        tables = {False: (self.cos_table, self.sin_table), True: (self.cos_local, self.sin_local)}
+        rope = {k: (c[fb.positions].unsqueeze(1), s[fb.positions].unsqueeze(1)) for k, (c, s) in tables.items()}
         captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, fb, cos, sin, k_caches[i], v_caches[i])
+            x = layer(x, fb, *rope[layer.local], k_caches[i], v_caches[i])
             if i in capture_layers:
                 captured.append(x)
         if fb.logits_index is not None:
@@ -224,18 +213,19 @@ class LlamaModel(nn.Module):
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         stack = self._layer_stack()
         if stack is not None:  # the whole loop below as one C++ op (kernels/csrc/decoder.cpp), same ops in order
+            layer = self.layers[0]
             captured = ops.decoder_layers(
                 x, h, stack[0], stack[1], self.cos_table, self.sin_table, fb.positions, fb.slot_mapping, k_caches,
                 v_caches, fb.q_start, fb.ctx_slots, fb.ctx_start, fb.ctx_first, fb.mask, fb.mask_start,
-                fb.causal and fb.mask is None, fb.window or 0, 1.0 / math.sqrt(self.cfg.head_dim), eps,
-                list(capture_layers))
+                fb.causal and fb.mask is None, fused.combined_window(fb.window, layer.window),
+                1.0 / math.sqrt(self.cfg.head_dim) if layer.scale is None else layer.scale, eps, list(capture_layers))
             if fb.logits_index is not None:
                 x = x[fb.logits_index]
             return ops.rms_norm(x, self.norm, eps), captured
         captured = []
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
-            out = layer.forward_fused(x, h, fb, self.cos_table, self.sin_table, k_caches[i], v_caches[i])
+            out = layer.forward_fused(x, h, fb, *self._rope(layer), k_caches[i], v_caches[i])
             if i + 1 < n:
                 h = ops.add_rms_norm(x, out, self.layers[i + 1].input_norm, eps)
             else:
@@ -247,16 +237,19 @@ class LlamaModel(nn.Module):
         return ops.rms_norm(x, self.norm, eps), captured
 
     def _layer_stack(self) -> tuple[list[torch.Tensor | None], list[int]] | None:
-        """The layers' weights flattened for decoder_layers, when every projection is block-quantized and
-        nothing runs between the ops but a qkv bias (no q/k norm or tensor-parallel all-reduce); else None.
-        Built at the first forward after the weights are final (quantize_model swaps them in place)."""
+        """The layers' weights flattened for decoder_layers, when every projection is block-quantized, nothing
+        runs between the ops but a qkv bias (no q/k norm or tensor-parallel all-reduce), the MLP is SwiGLU and
+        every layer shares one window, scale and RoPE table; else None. Built at the first forward after the
+        weights are final (quantize_model swaps them in place)."""
         first = self.layers[0].qkv_w
         if self._stack is not None and self._stack[0] is first:
             return self._stack[1]
         stack = None
-        names = ("qkv_w", "o_w", "gate_up_w", "down_w")
-        if self.tp is None and all(isinstance(getattr(l, a), BlockQuantWeight) and l.q_norm is None
-                                   and l.tp is None for l in self.layers for a in names):
+        names = tuple(self.PARTS)
+        uniform = len({(l.window, l.scale, l.local, l.act_name) for l in self.layers}) == 1
+        if self.tp is None and uniform and self.layers[0].act_name == "silu" and all(
+                isinstance(getattr(l, a), BlockQuantWeight) and l.q_norm is None and l.tp is None
+                for l in self.layers for a in names):
             weights: list[torch.Tensor | None] = []
             dims: list[int] = []
             for layer in self.layers:
@@ -278,6 +271,9 @@ class LlamaModel(nn.Module):
         if self.tp is not None:  # vocab-parallel head: the full rows on rank 0 only (elsewhere empty)
             logits = self.tp.gather_vocab(logits)
         logits = logits if logits.dtype == torch.float64 else logits.float()
+        cap = self.cfg.final_softcap
+        if cap is not None:  # gemma2: logits → cap · tanh(logits / cap), in fp32 as HF does
+            logits = torch.tanh(logits / cap) * cap
         if self.head_ids is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.logits_vocab), float("-inf"))
@@ -291,3 +287,12 @@ class LlamaModel(nn.Module):
             raise ValueError("restrict_head: the head is packed or sharded; restrict it while quantizing")
         self.lm_head = nn.Parameter(self.lm_head[ids].clone(), requires_grad=False)  # tied: the embedding stays
         self.head_ids = ids
+
+
+def config_from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
+    """Llama / SmolLM, Qwen2 (q/k/v bias), Qwen3 (q/k norm)."""
+    return decoder_from_hf(cfg, arch, name, attention_bias=cfg.get("attention_bias", arch == "qwen2"),
+                           qk_norm=arch == "qwen3")
+
+
+MODEL = LlamaModel

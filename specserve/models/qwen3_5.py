@@ -10,14 +10,16 @@ them: the commit stage picks the accepted row's state (speculative/commit.py, Co
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, checked_layer_types, decoder_from_hf
+from .attention import paged_attention
 from .forward_batch import ForwardBatch
 from .gated_delta import RowLayout, causal_conv, delta_rule
-from .llama import paged_attention
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -209,3 +211,26 @@ class Qwen35Model(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.lm_head)
         return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def config_from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
+    """Qwen3.5 text config (`Qwen3_5ForCausalLM`, or the `text_config` of the multimodal checkpoint)."""
+    cfg = cfg.get("text_config") or cfg
+    n = cfg["num_hidden_layers"]
+    types = checked_layer_types(cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0 else "linear_attention" for i in range(n)],
+        n, ("full_attention", "linear_attention"))
+    if "full_attention" not in types:
+        raise ValueError("config.json layer_types: a qwen3_5 model needs at least one full_attention layer")
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported rope_parameters.rope_type {rope.get('rope_type')!r} for qwen3_5; supported: default")
+    return decoder_from_hf(
+        cfg, arch, name, qk_norm=True, layer_types=types, rope_scaling=None,
+        partial_rotary_factor=rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)),
+        linear_conv_kernel=cfg.get("linear_conv_kernel_dim", 4), linear_num_key_heads=cfg["linear_num_key_heads"],
+        linear_num_value_heads=cfg["linear_num_value_heads"], linear_key_head_dim=cfg["linear_key_head_dim"],
+        linear_value_head_dim=cfg["linear_value_head_dim"])
+
+
+MODEL = Qwen35Model

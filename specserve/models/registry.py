@@ -1,28 +1,47 @@
-"""Architecture registry: maps an architecture name to the model class that runs it."""
+"""Architecture registry: an architecture's name → its family module (the model class, its config reader and
+its GGUF tensor names).
+
+A family module under specserve/models/ defines:
+  MODEL                          the nn.Module class that runs it
+  config_from_hf(cfg, arch, name) → ModelConfig, from a parsed `config.json`
+  GGUF_NAMES (optional)          GGUF per-layer leaf → HF leaf, where the family departs from llama's
+  config_from_gguf(cfg, get) (optional)  the family's own GGUF metadata added to the common geometry
+Adding a family is its module plus its entries here.
+"""
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
 from typing import Any
 
-# HF `architectures[0]` / `model_type` / GGUF `general.architecture` → our key.
+# registry key → family module
+FAMILIES = {
+    "llama": "llama", "qwen2": "llama", "qwen3": "llama", "mistral": "mistral", "phi3": "phi3",
+    "gemma2": "gemma", "gemma3": "gemma", "qwen3_5": "qwen3_5",
+}
+# HF `architectures[0]` / `model_type` / GGUF `general.architecture` → registry key
 _ALIASES = {
-    "llama": "llama", "LlamaForCausalLM": "llama", "smollm": "llama", "mistral": "llama",
+    "llama": "llama", "LlamaForCausalLM": "llama", "smollm": "llama",
     "qwen2": "qwen2", "Qwen2ForCausalLM": "qwen2",
     "qwen3": "qwen3", "Qwen3ForCausalLM": "qwen3",
+    "mistral": "mistral", "MistralForCausalLM": "mistral",
+    "phi3": "phi3", "Phi3ForCausalLM": "phi3",
+    "gemma2": "gemma2", "Gemma2ForCausalLM": "gemma2",
+    "gemma3": "gemma3", "gemma3_text": "gemma3", "Gemma3ForCausalLM": "gemma3",
     # hybrid Gated DeltaNet + gated attention (text only; the multimodal checkpoint's language model)
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
 }
-SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_5")
+SUPPORTED = tuple(FAMILIES)
 
 
 def normalize_architecture(name: str) -> str:
     """Return our registry key for `name` or raise ValueError naming the supported list."""
     key = _ALIASES.get(name)
     if key is None:
-        raise ValueError(
-            f"unsupported model architecture {name!r}; supported: {', '.join(SUPPORTED)} "
-            f"(HF: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3_5ForCausalLM)"
-        )
+        hf = sorted(a for a in _ALIASES if a[0].isupper())
+        raise ValueError(f"unsupported model architecture {name!r}; supported: {', '.join(SUPPORTED)} "
+                         f"(HF: {', '.join(hf)})")
     return key
 
 
@@ -32,13 +51,11 @@ def architecture_from_hf(cfg: dict[str, Any]) -> str:
     return normalize_architecture(name)
 
 
+def family(architecture: str) -> ModuleType:
+    """The family module of an architecture (imported on first use: models import this registry's users)."""
+    return importlib.import_module(f"{__package__}.{FAMILIES[normalize_architecture(architecture)]}")
+
+
 def model_class(architecture: str) -> type:
-    """The nn.Module class for a registry key: the Llama family shares one decoder with config switches;
-    Qwen3.5 (recurrent + attention layers) has its own."""
-    if normalize_architecture(architecture) == "qwen3_5":
-        from .qwen3_5 import Qwen35Model
-
-        return Qwen35Model
-    from .llama import LlamaModel
-
-    return LlamaModel
+    """The nn.Module class for a registry key."""
+    return family(architecture).MODEL

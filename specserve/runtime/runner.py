@@ -35,16 +35,24 @@ class ModelRunner:
         the K/V still land in slots starts[b]...
         `states` (hybrid models): where each request's recurrent state starts; the new states land in it
         (read them with states.split); without it every request starts from zero state.
+        A model whose every layer slides (kv_window) reads only each request's last window: the pages behind
+        it may be gone (KVPool.free_below).
         NOTE: the caller has ensured page_tables cover starts[b] + len(tokens[b]) positions."""
-        slot_lists, ctx_lists, logits_index = [], [], []
+        slot_lists, ctx_lists, firsts, logits_index = [], [], [], []
+        window = self.model.cfg.kv_window
         base = 0
         for pt, s, toks, offs in zip(page_tables, starts, tokens, logits_offsets):
-            ctx = self.kv.slots(pt, 0, s + len(toks))
+            first = max(0, s - window + 1) if window else 0  # the first position the first query sees
+            ctx = self.kv.slots(pt, first, s + len(toks))
             ctx_lists.append(ctx)
-            slot_lists.append(ctx[s:])
+            slot_lists.append(ctx[s - first:])
+            firsts.append(first)
             logits_index.extend(base + o for o in offs)
             base += len(toks)
-        fb = build_forward_batch(tokens, starts, slot_lists, ctx_lists, logits_index, positions=positions, masks=masks)
+        if masks is not None and any(firsts):  # a tree's mask columns start at position 0
+            masks = [m[:, f:] for m, f in zip(masks, firsts)]
+        fb = build_forward_batch(tokens, starts, slot_lists, ctx_lists, logits_index, positions=positions, masks=masks,
+                                 ctx_first=firsts)
         fb.states = states
         hidden, captured = self.model(fb, self.kv.k, self.kv.v, capture_layers)
         logits = self.model.compute_logits(hidden) if len(logits_index) else hidden.new_zeros(0, 0)

@@ -7,6 +7,7 @@ goes through `CommitStage.steps` in order:
   CommitState (hybrid targets) the request's state slot takes the recurrent state after the last kept
               row (row n of a chain, the accepted path's last node of a tree): verify never wrote it
   AdvanceKV   committed_len += accepted + 1: the KV of the last token and the accepted drafts is final
+  SlideWindow (every layer sliding, Mistral) the pages wholly behind the window leave the request
   Emit        the tokens one by one through the stop scan (EOS, stop ids/strings, max_tokens,
               context); per-request and engine-wide acceptance stats count only what was emitted
   DraftState  drafter.commit with the committed rows' target features (one call for the batch)
@@ -122,6 +123,25 @@ class Emit(CommitStep):
                 self.stats.record(c.num_draft, n_acc)
             if reason is not None:
                 self.finish(r, reason)
+
+
+class SlideWindow(CommitStep):
+    """A target whose every layer slides never reads a position ≤ committed_len − window again: the pages
+    holding only such positions leave the request. `insert` (the prefix cache's) runs first, so those pages
+    stay cached whole and a later prompt that shares them still hits exactly."""
+
+    def __init__(self, kv: KVPool, window: int, insert: Callable[[Request], None] | None) -> None:
+        self.kv, self.window, self.insert = kv, window, insert
+
+    def apply(self, items: list[Committed]) -> None:
+        for c in items:
+            if c.verified:
+                self.slide(c.req)
+
+    def slide(self, req: Request) -> None:
+        if self.insert is not None:
+            self.insert(req)
+        self.kv.free_below(req.page_table, req.committed_len - self.window + 1)
 
 
 class DraftState(CommitStep):

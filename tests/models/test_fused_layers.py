@@ -10,7 +10,7 @@ from specserve.cache.kv_pool import KVPool
 from specserve.runtime.runner import ModelRunner
 from specserve.models import fused
 from specserve.models.forward_batch import build_forward_batch
-from specserve.models.llama import reference_attention
+from specserve.models.attention import reference_attention
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="C++ extension not buildable here")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.models.llama import rope_inv_freq
+from specserve.models.attention import rope_inv_freq
 
 from tests.tiny import tiny_config
 

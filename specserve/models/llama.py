@@ -97,17 +97,20 @@ class DecoderLayer(nn.Module):
 
     @property
     def lean(self) -> bool:
-        """The fused loop's shape: pre-norms only, no score soft-cap."""
-        return self.attn_out_norm is None and self.softcap is None
+        """The fused loop runs it: no score soft-cap (the C++ attention has none)."""
+        return self.softcap is None
 
     def forward_fused(self, x: torch.Tensor, h: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor,
                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Lean loop: h = input_norm(x) is given; x (the residual) gets the attention output added in
-        place; returns the MLP output for the caller to add (fused with the next layer's norm)."""
+        place; returns the MLP output for the caller to add (fused with the next layer's norm). Sandwich norms
+        (gemma) are one more rms_norm op each."""
         ops = torch.ops.specserve
         q, k, v = self._qkv(h)
         ops.rope_kv_write(q, k, v, cos, sin, fb.positions, k_cache, v_cache, fb.slot_mapping)
         o = self._reduce(linear(fused.attention(q, fb, k_cache, v_cache, self.window, self.scale), self.o_w))
+        if self.attn_out_norm is not None:
+            o = ops.rms_norm(o, self.attn_out_norm, self.eps)
         h = ops.add_rms_norm(x, o, self.post_norm, self.eps)
         gu = linear(h, self.gate_up_w)
         if self.act_name == "silu":
@@ -115,7 +118,8 @@ class DecoderLayer(nn.Module):
         else:
             gate, up = gu.chunk(2, dim=-1)
             a = self.act(gate) * up
-        return self._reduce(linear(a, self.down_w))
+        out = self._reduce(linear(a, self.down_w))
+        return out if self.mlp_out_norm is None else ops.rms_norm(out, self.mlp_out_norm, self.eps)
 
 
 class LlamaModel(nn.Module):
@@ -238,7 +242,7 @@ class LlamaModel(nn.Module):
 
     def _layer_stack(self) -> tuple[list[torch.Tensor | None], list[int]] | None:
         """The layers' weights flattened for decoder_layers, when every projection is block-quantized, nothing
-        runs between the ops but a qkv bias (no q/k norm or tensor-parallel all-reduce), the MLP is SwiGLU and
+        runs between the ops but a qkv bias (no q/k norm, sandwich norm or tensor-parallel all-reduce), the MLP is SwiGLU and
         every layer shares one window, scale and RoPE table; else None. Built at the first forward after the
         weights are final (quantize_model swaps them in place)."""
         first = self.layers[0].qkv_w
@@ -248,8 +252,8 @@ class LlamaModel(nn.Module):
         names = tuple(self.PARTS)
         uniform = len({(l.window, l.scale, l.local, l.act_name) for l in self.layers}) == 1
         if self.tp is None and uniform and self.layers[0].act_name == "silu" and all(
-                isinstance(getattr(l, a), BlockQuantWeight) and l.q_norm is None and l.tp is None
-                for l in self.layers for a in names):
+                isinstance(getattr(l, a), BlockQuantWeight) and l.q_norm is None and l.attn_out_norm is None
+                and l.tp is None for l in self.layers for a in names):
             weights: list[torch.Tensor | None] = []
             dims: list[int] = []
             for layer in self.layers:

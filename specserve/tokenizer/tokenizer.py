@@ -1,7 +1,9 @@
 """Tokenizer wrapper over `tokenizers.Tokenizer`, built from an HF directory or GGUF metadata.
 
-The GGUF path rebuilds the byte-level BPE the same way HF transformers does for a GGUF file, so token
-ids match what `AutoTokenizer.from_pretrained(dir, gguf_file=...)` produces.
+GGUF vocabularies tokenize as llama.cpp does on the same file: a byte-level BPE (`tokenizer.ggml.model = "gpt2"`)
+is a `tokenizers` BPE split by llama.cpp's regexes for its `tokenizer.ggml.pre` (_PRE_SPLITS; any other pre name
+is refused, as llama.cpp does); a SentencePiece vocabulary (`"llama"`) is `SpmTokenizer` (spm.py). Other
+tokenizer models are refused.
 """
 from __future__ import annotations
 
@@ -15,23 +17,32 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.models import BPE
 
-# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+from .spm import CONTROL, EOT_TEXTS, FIM_TEXTS, UNKNOWN, USER_DEFINED, SpmModel, llama_cpp_types
 
-# `tokenizer.ggml.pre` → split regex, as transformers' GGUF_PRE_TOKENIZER_SPLITS. Other pre types
-# (e.g. "smollm", "gpt2") get the plain GPT-2 ByteLevel regex, again matching transformers.
+# `tokenizer.ggml.pre` → llama.cpp's split regexes for it (llm_tokenizer_bpe in src/llama-vocab.cpp), applied in
+# order, each one splitting the pieces of the one before. NOTE: llama.cpp spells the contractions '[sS] where the
+# models' tokenizer.json has (?i:'s): the same on ASCII, and llama.cpp is what these files are run with.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    # llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT, also for a file without the key: not the plain GPT-2 split
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    # "gpt2" is no llama.cpp name (it says "gpt-2"); kept: it always meant the GPT-2 split here
+    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo"), (_GPT2_SPLIT,)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+                    (r"\p{N}", _GPT2_SPLIT)),
+    **dict.fromkeys((*_LLAMA3_PRES, "dbrx", "smaug-bpe"), (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"),
+                    (_QWEN2_SPLIT,)),
 }
+_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
 
 
 @lru_cache(maxsize=1)
@@ -56,6 +67,11 @@ def _unicode_to_bytes() -> dict[str, int]:
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
+
+
+def _named_fim(reader: Any) -> list[str]:
+    """The FIM token id keys (`tokenizer.ggml.{stem}_token_id`) the file has."""
+    return [k for keys in FIM_TEXTS for k in keys if _field(reader, f"tokenizer.ggml.{k}_token_id") is not None]
 
 
 def _token_str(value: Any) -> str | None:
@@ -121,14 +137,20 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: Any) -> "Tokenizer":
-        """Build from a GGUF reader's tokenizer metadata (`gguf_file.GGUFFile` or `gguf.GGUFReader`) (byte-level BPE only)."""
+        """Build from a GGUF reader's tokenizer metadata (`gguf_file.GGUFFile` or `gguf.GGUFReader`)."""
         model = _field(reader, "tokenizer.ggml.model")
+        if model == "llama":
+            return SpmTokenizer.from_gguf(reader)
         if model != "gpt2":
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE ('gpt2') is supported"
-            )
+            raise ValueError(f"unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model): supported are "
+                             + ", ".join(f"{k!r} ({v})" for k, v in _MODELS.items()))
+        pre = _field(reader, "tokenizer.ggml.pre") or "default"  # llama.cpp: no key (or "") is "default"
+        splits = _PRE_SPLITS.get(pre)
+        if splits is None:
+            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) of a byte-level BPE "
+                             f"vocabulary: supported are {', '.join(sorted(_PRE_SPLITS))}")
         tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
-        types: list[int] = list(_field(reader, "tokenizer.ggml.token_type", []) or [])
+        types = llama_cpp_types(tokens, _field(reader, "tokenizer.ggml.token_type", []) or [], _named_fim(reader))
         merges_raw = _field(reader, "tokenizer.ggml.merges")
         if not merges_raw:
             raise ValueError("GGUF byte-level tokenizer has no tokenizer.ggml.merges")
@@ -140,30 +162,31 @@ class Tokenizer:
             for i, t in enumerate(tokens)
         }
         merges = [tuple(m.split(" ")) for m in merges_raw]
+        # llama.cpp's llama3 pre types take a word that is a whole token as is, before any merge
         tok = _HFTokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False))
-        split = _PRE_SPLITS.get(_field(reader, "tokenizer.ggml.pre"))
-        if split is None:
+                               end_of_word_suffix="", fuse_unk=False, ignore_merges=pre in _LLAMA3_PRES))
+        if splits == (_GPT2_SPLIT,):  # ByteLevel's own regex is this one
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         else:
             tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ])
         tok.decoder = decoders.ByteLevel()
-        # Control tokens (<|im_start|> ...) must match whole; a "control" token outside the byte alphabet
-        # is a llama.cpp mislabel and is skipped, like HF does.
+        # Control and unknown tokens (<|im_start|> ...) must match whole; a "control" token outside the byte
+        # alphabet is a llama.cpp mislabel and is skipped, like HF does.
         tok.add_special_tokens([
             AddedToken(t, normalized=False, special=True)
-            for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet
+            for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN) and set(t) <= alphabet
         ])
         user = [AddedToken(t, normalized=False, special=False)
-                for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
+                for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab]
         if user:
             tok.add_tokens(user)
         bos = _field(reader, "tokenizer.ggml.bos_token_id")
         bos = int(bos) if bos is not None else None
-        if bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None:
+        # llama.cpp adds BOS for the llama3 pre types unless the file says otherwise
+        if bool(_field(reader, "tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRES)) and bos is not None:
             bos_tok = tokens[bos]
             tok.post_processor = processors.TemplateProcessing(
                 single=f"{bos_tok} $A", pair=f"{bos_tok} $A $B", special_tokens=[(bos_tok, bos)]
@@ -219,8 +242,8 @@ class Tokenizer:
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         specials = {
-            "bos_token": self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
-            "eos_token": self._tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else "",
+            "bos_token": self.id_to_piece(self.bos_token_id) if self.bos_token_id is not None else "",
+            "eos_token": self.id_to_piece(self.eos_token_ids[0]) if self.eos_token_ids else "",
         }
         return self._template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **{**specials, **extra}
@@ -229,6 +252,78 @@ class Tokenizer:
     def incremental(self, skip_special_tokens: bool = True,
                     prompt_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens, prompt_ids)
+
+
+class SpmTokenizer(Tokenizer):
+    """A SentencePiece GGUF vocabulary: encode and decode by `spm.SpmModel`, as llama.cpp on the same file.
+    `backend`, a `tokenizers.Tokenizer` of the vocabulary (grammar backends, fingerprints), is built on first use:
+    seconds for 256k tokens, and its own encode is only close to llama.cpp's."""
+
+    def __init__(self, model: SpmModel, *, eos_token_ids: Sequence[int], chat_template: str | None = None) -> None:
+        # NOTE: no super().__init__(): the base wraps a tokenizers.Tokenizer built up front.
+        self.spm = model
+        self._hf: _HFTokenizer | None = None
+        self.bos_token_id = model.bos_id
+        self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.chat_template = chat_template
+        self.vocab_size = len(model.pieces)
+        self.add_bos = model.add_bos and model.bos_id is not None
+        self._template = None
+
+    @classmethod
+    def from_gguf(cls, reader: Any) -> "SpmTokenizer":
+        pieces: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
+        n = len(pieces)
+
+        def token_id(key: str, default: int | None) -> int | None:
+            # llama.cpp: an id past the vocabulary keeps the default, and a default past it is no token
+            v = _field(reader, f"tokenizer.ggml.{key}")
+            v = int(v) if v is not None and 0 <= int(v) < n else default
+            return v if v is not None and v < n else None
+
+        name = str(_field(reader, "general.name", "") or "").lower()
+        # llama.cpp's defaults for a "llama" vocabulary where the file has no key
+        model = SpmModel(
+            pieces, _field(reader, "tokenizer.ggml.scores") or [0.0] * n,
+            llama_cpp_types(pieces, _field(reader, "tokenizer.ggml.token_type") or [], _named_fim(reader)),
+            add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+            bos_id=token_id("bos_token_id", 1), eos_id=token_id("eos_token_id", 2),
+            unk_id=token_id("unknown_token_id", 0),
+            add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
+            add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+            rstrip_specials="phi-3" in name or "phi3" in name)
+        # Generation ends at eos, and at eot/eom where the file names them; without an eot id, at the end-of-turn
+        # tokens llama.cpp finds by their text (Gemma's <end_of_turn>, Phi-3's <|end|>), as the models' HF
+        # generation configs do. NOTE: not all of llama.cpp's end-of-generation texts: Gemma's "</s>" is an HTML tag.
+        eot = token_id("eot_token_id", None)
+        eots = [eot] if eot is not None else [model.ids[t] for t in sorted(EOT_TEXTS) if t in model.ids]
+        eos = [model.eos_id, *eots, token_id("eom_token_id", None)]
+        return cls(model, eos_token_ids=[i for i in eos if i is not None],
+                   chat_template=_field(reader, "tokenizer.chat_template"))
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        if self._hf is None:
+            self._hf = self.spm.hf_tokenizer()
+        return self._hf
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.spm.encode(text, add_special_tokens)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.spm.decode(list(ids), skip_special_tokens)
+
+    def id_to_piece(self, token_id: int) -> str:
+        if not 0 <= int(token_id) < self.vocab_size:
+            raise IndexError(f"token id {token_id} out of range (vocab size {self.vocab_size})")
+        return self.spm.pieces[int(token_id)]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        self.id_to_piece(token_id)  # the range check
+        return self.spm.token_bytes(int(token_id))
+
+    def token_to_id(self, piece: str) -> int | None:
+        return self.spm.ids.get(piece)
 
 
 def _compile_template(source: str) -> Any:

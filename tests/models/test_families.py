@@ -185,3 +185,15 @@ def test_mistral_frees_pages_behind_the_window(dirs: dict[str, str]) -> None:
     engine.step = watch
     llm.generate([list(range(1, 30))], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     assert held and max(held) <= -(-WINDOW // 4) + 2, held
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma2"])
+def test_tensor_parallel_equals_one_rank(dirs: dict[str, str], family: str) -> None:
+    """Phi-3's fused tensors split into llama's before sharding; Gemma 2's sandwich norms and soft-caps run
+    after the all-reduce and the vocabulary gather."""
+    plain = _tokens(LLM(dirs[family], dtype="float64", **ENGINE))
+    llm = LLM(dirs[family], dtype="float64", tp_size=2, **ENGINE)
+    try:
+        assert _tokens(llm) == plain
+    finally:
+        llm.close()

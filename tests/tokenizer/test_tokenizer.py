@@ -1,7 +1,8 @@
-"""The GGUF tokenizer: encode/decode and chat-template parity with HF transformers (test-only oracle), and
-incremental detokenization."""
+"""The GGUF tokenizer: encode/decode and chat-template parity with HF transformers (test-only oracle) and with
+llama.cpp where llama-cpp-python is installed, and incremental detokenization."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,14 @@ def tok(gguf_path: Path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def hf_tok(gguf_path: Path):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    from tokenizers import pre_tokenizers
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # transformers splits a "smollm" GGUF with the plain GPT-2 regex; SmolLM2's own tokenizer.json, like llama.cpp,
+    # isolates every digit first ("    1" is ĠĠĠĠ 1, not ĠĠĠ Ġ1): the oracle gets that pre-tokenizer back.
+    hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return hf
 
 
 # ---- tokenizer parity ------------------------------------------------------------------------
@@ -66,6 +74,17 @@ def test_tokenizer_matches_transformers(tok, hf_tok) -> None:
         assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
     assert tok.encode("<|im_start|>user\nhi<|im_end|>")[0] == 1
     assert tok.id_to_piece(tok.encode(" world")[0]) == "Ġworld"
+    assert [tok.id_to_piece(i) for i in tok.encode("    1 ½")] == ["ĠĠĠĠ", "1", "Ġ", "Â½"]
+
+
+def test_tokenizer_matches_llama_cpp(tok, gguf_path: Path) -> None:
+    """llama.cpp on the same file, on these texts and the lines of the Gemma fixture (tests/tokenizer/test_spm.py)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ref = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
+    golden = Path(__file__).with_name("gemma3_golden.jsonl").read_text(encoding="utf-8").split("\n")[1:]
+    texts = TEXTS + [json.loads(line)["text"] for line in golden if line]
+    bad = [t for t in texts if tok.encode(t) != ref.tokenize(t.encode(), add_bos=True, special=True)]
+    assert not bad, f"{len(bad)} of {len(texts)} texts differ from llama.cpp, e.g. {bad[:3]!r}"
 
 
 # ---- chat template ---------------------------------------------------------------------------

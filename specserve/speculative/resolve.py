@@ -121,8 +121,9 @@ def resolve_settings(c: EngineConfig, target: ModelConfig) -> SpecSettings:
     return spec_settings(c, trained, path)
 
 
-def auto_algorithm(config: EngineConfig, target: ModelConfig) -> str | None:
-    """NGRAM over the table shipped for the target, else HYBRID over its shipped DSpark, else None (plain).
+def auto_algorithm(config: EngineConfig, target: ModelConfig) -> str:
+    """NGRAM over the table shipped for the target, else HYBRID over its shipped DSpark, else NGRAM's prompt
+    lookup alone (any target: under `cost` windows it drafts only where lookups measure faster than plain).
     A flag only one of them takes picks that one (--speculative-draft-model-path: HYBRID over that draft model or
     drafter); flags of both are refused by name."""
     def given(algo: str, other: str) -> list[str]:
@@ -135,7 +136,7 @@ def auto_algorithm(config: EngineConfig, target: ModelConfig) -> str | None:
                          f"--{hybrid[0].replace('_', '-')} (HYBRID) choose different drafters; name one")
     if ngram or (not hybrid and shipped_table(target) is not None):
         return "NGRAM"
-    return "HYBRID" if hybrid or shipped_drafter(target, AUTO_ARTIFACT) is not None else None
+    return "HYBRID" if hybrid or shipped_drafter(target, AUTO_ARTIFACT) is not None else "NGRAM"
 
 
 def resolve_config(config: EngineConfig, target: ModelConfig) -> EngineConfig:
@@ -145,6 +146,4 @@ def resolve_config(config: EngineConfig, target: ModelConfig) -> EngineConfig:
     window = spec_settings(config).window
     if algo == "AUTO":
         algo = auto_algorithm(config, target)
-        if algo is None:  # nothing ships for this target: plain decoding
-            return dataclasses.replace(config, speculative_algorithm=None)
     return dataclasses.replace(config, speculative_algorithm=algo, speculative_window=window)

@@ -150,11 +150,14 @@ def test_sampled_drafts_match_target_distribution(tmp_path: Path, monkeypatch: p
     assert llm.engine.drafter.supplies_q
 
 
-def test_auto_without_a_shipped_drafter_decodes_plainly() -> None:
+def test_auto_without_a_shipped_drafter_looks_up_the_prompt() -> None:
+    """Nothing ships for this target: AUTO is NGRAM's prompt lookup (no corpus table) under `cost` windows."""
     llm = LLM.from_model(_target(), speculative_algorithm="AUTO", kv_cache_memory="512KiB")
-    assert llm.engine.drafter is None and llm.config.speculative_algorithm is None
-    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5))
-    assert out[0].token_ids == reference_greedy(llm.engine.model, [1, 2, 3], 5)
+    assert llm.config.speculative_algorithm == "NGRAM" and llm.config.speculative_window == "cost"
+    assert llm.engine.drafter.table is None
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+    assert out[0].token_ids == reference_greedy(llm.engine.model, prompt, 12)
 
 
 TREE = {"speculative_eagle_topk": 3, "speculative_num_steps": 3}

@@ -35,8 +35,13 @@ def check_memory(need: int, what: str) -> None:
 
 
 def peak_rss_bytes() -> int:
-    """This process's high-water resident set (ru_maxrss is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's high-water resident set: /proc's VmHWM (ru_maxrss survives exec on Linux, so a process
+    started by a larger one would report its parent's peak), else ru_maxrss (KiB on Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -51,8 +51,6 @@ def stream_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
 
 def _child(cfg: dict[str, Any]) -> dict[str, Any]:
     """One configuration, in this (fresh) process."""
-    import resource
-
     t0 = time.perf_counter()
     if cfg["name"] == "llama.cpp":
         from llama_cpp import Llama
@@ -104,7 +102,10 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
         t = time.perf_counter()
         gen(cfg["prefill"], 1)
         res["prefill_tok_s"] = len(cfg["prefill"]) / (time.perf_counter() - t)
-    res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    # NOTE: VmHWM, not ru_maxrss: the latter survives exec, so it would report the parent's peak (its 1 GiB
+    # bandwidth probe) for any configuration smaller than that
+    with open("/proc/self/status") as f:
+        res["peak_rss_gib"] = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
     return res
 
 

@@ -37,11 +37,12 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = T
     return torch.where(is_mid, mid, scaled_inv)
 
 
-def rope_tables(cfg: ModelConfig, dtype: torch.dtype, theta: float | None = None, scaled: bool = True
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_position_embeddings, head_dim] (rotate-half layout). longrope scales both by its
-    attention factor, as HF does."""
-    freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg, theta, scaled))
+def rope_tables(cfg: ModelConfig, dtype: torch.dtype, theta: float | None = None, scaled: bool = True,
+                positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [positions (default max_position_embeddings), head_dim] (rotate-half layout). longrope scales
+    both by its attention factor, as HF does."""
+    n = cfg.max_position_embeddings if positions is None else positions
+    freqs = torch.outer(torch.arange(n, dtype=torch.float64), rope_inv_freq(cfg, theta, scaled))
     emb = torch.cat((freqs, freqs), dim=-1)
     rs = (cfg.rope_scaling or {}) if scaled else {}
     mult = 1.0

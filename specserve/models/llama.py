@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # the fused projections: each layer attribute and the (canonical, HF-named) parts concatenated into it
 PARTS = {"qkv_w": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_w": ("self_attn.o_proj",),
          "gate_up_w": ("mlp.gate_proj", "mlp.up_proj"), "down_w": ("mlp.down_proj",)}
+ROPE_POSITIONS = 4096  # positions the RoPE tables cover at first; they grow as requests reach further (_cover)
 # each layer's norms: attribute → HF leaf (a norm the config does not switch on is None and skipped)
 NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
          "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
@@ -133,13 +134,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        cos, sin = rope_tables(cfg, dtype)
-        self.register_buffer("cos_table", cos, persistent=False)
-        self.register_buffer("sin_table", sin, persistent=False)
-        if cfg.rope_local_theta is not None:  # gemma3: the sliding layers' own base, unscaled
-            cos, sin = rope_tables(cfg, dtype, cfg.rope_local_theta, scaled=False)
-        self.register_buffer("cos_local", cos, persistent=False)
-        self.register_buffer("sin_local", sin, persistent=False)
+        self._grow_rope(min(cfg.max_position_embeddings, ROPE_POSITIONS))
         self.tp: "TensorParallel | None" = None  # set by parallel.attach on a tensor-parallel shard
         self.head_ids: torch.Tensor | None = None  # a reduced head (draft models): the vocab ids of its rows
         self.logits_vocab = cfg.vocab_size  # a reduced head's logits width (a draft model: the target's vocabulary)
@@ -157,6 +152,26 @@ class LlamaModel(nn.Module):
     def embedding_table(self) -> torch.Tensor:
         """The embedding as a dense [V, H] tensor (drafters sharing it, training)."""
         return self.embed.dense() if isinstance(self.embed, GGUFEmbedding) else self.embed
+
+    def _grow_rope(self, n: int) -> None:
+        """cos/sin tables for positions < n (cos_local/sin_local: gemma3's sliding layers' own base, unscaled;
+        else the same tensors)."""
+        cfg = self.cfg
+        cos, sin = rope_tables(cfg, self.dtype, positions=n)
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+        if cfg.rope_local_theta is not None:
+            cos, sin = rope_tables(cfg, self.dtype, cfg.rope_local_theta, scaled=False, positions=n)
+        self.register_buffer("cos_local", cos, persistent=False)
+        self.register_buffer("sin_local", sin, persistent=False)
+
+    def _cover(self, positions: torch.Tensor) -> None:
+        """Grow the RoPE tables (doubling, up to max_position_embeddings) to cover `positions`: a 32k-context
+        model with 256-wide heads would otherwise hold 128 MiB of tables its requests mostly never reach."""
+        have = self.cos_table.shape[0]
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > have:
+            self._grow_rope(min(self.cfg.max_position_embeddings, max(need, 2 * have)))
 
     def _rope(self, layer: DecoderLayer) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.cos_local, self.sin_local) if layer.local else (self.cos_table, self.sin_table)
@@ -195,6 +210,7 @@ class LlamaModel(nn.Module):
         [hidden after each layer in capture_layers, packed [T, H]])."""
         # NOTE: the fused loop never calls a layer module, so layers with forward hooks (tests that
         # poison one request's hidden rows, debugging) run the reference loop
+        self._cover(fb.positions)
         if (fused.enabled() and all(layer.lean for layer in self.layers)
                 and not any(layer._forward_hooks for layer in self.layers)):
             return self._forward_fused(fb, k_caches, v_caches, capture_layers)

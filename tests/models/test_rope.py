@@ -62,3 +62,20 @@ def test_gguf_rope_scaling_is_read_only_where_the_model_computes_it(kind: str) -
     rs = _rope_scaling(reader, "qwen2", None, 8, 10000.0)
     assert rs == {"rope_type": "linear", "factor": 4.0}
     assert torch.equal(rope_inv_freq(tiny_config("llama", rope_scaling=rs)), rope_inv_freq(tiny_config("llama")) / 4.0)
+
+
+def test_rope_tables_grow_to_the_positions_a_forward_reaches() -> None:
+    """The tables start at ROPE_POSITIONS and double as positions reach past them: the logits equal a model's
+    whose tables were built whole."""
+    from specserve.models.llama import ROPE_POSITIONS, LlamaModel
+    from tests.tiny import ref_logits, tiny_config, tiny_state_dict
+
+    cfg = tiny_config("llama", max_position_embeddings=3 * ROPE_POSITIONS)
+    lazy, whole = LlamaModel(cfg, torch.float64), LlamaModel(cfg, torch.float64)
+    for m in (lazy, whole):
+        m.load_weights(tiny_state_dict(cfg))
+    whole._grow_rope(cfg.max_position_embeddings)
+    assert lazy.cos_table.shape[0] == ROPE_POSITIONS
+    ids = [(5 * i) % cfg.vocab_size for i in range(ROPE_POSITIONS + 100)]
+    torch.testing.assert_close(ref_logits(lazy, ids)[-50:], ref_logits(whole, ids)[-50:], rtol=0, atol=0)
+    assert lazy.cos_table.shape[0] == 2 * ROPE_POSITIONS

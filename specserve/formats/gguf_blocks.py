@@ -25,7 +25,7 @@ QK, QK_K = 32, 256
 
 
 class UnsupportedBlockType(ValueError):
-    """A GGUF quantization type with no exact block form here (Q2_K, Q3_K, IQ*, ...)."""
+    """A GGUF quantization type with no exact block form here (Q2_K, IQ4_XS, ...; Q3_K and IQ4_NL: formats/transcode.py)."""
 
     def __init__(self, name: str, qtype: str) -> None:
         super().__init__(f"GGUF tensor {name!r}: block type {qtype} is not supported natively "

@@ -12,13 +12,15 @@ import torch
 
 from ..models.config import ModelConfig
 from ..formats.gguf_blocks import BlockCodes, UnsupportedBlockType, gguf_blocks
+from ..formats.transcode import transcode
 from ..models.registry import family, normalize_architecture
 from ..tokenizer.tokenizer import Tokenizer
 from .names import hf_name, layer_names, split_rows
 
 log = logging.getLogger(__name__)
 
-_SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                     "IQ4_NL", "IQ4_XS")
 
 # Tensors llama.cpp writes that carry no HF parameter (handled via config instead).
 _SKIP = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}
@@ -207,9 +209,9 @@ def gguf_weights(reader: Any, cfg: ModelConfig, name: str, dtype: torch.dtype = 
         if not arr.flags.writeable:  # F32 comes back as a view of the read-only mmap: own a copy
             arr = arr.copy()
         whole = torch.from_numpy(arr)
-        try:
-            whole_codes = None if blocks is None else gguf_blocks(t.data, t.tensor_type.name, shape, t.name)
-        except UnsupportedBlockType:  # Q2_K/Q3_K: dequantized here, re-quantized by the mode
+        try:  # Q3_K/IQ4_NL: rewritten exactly into a kernel's type (formats/transcode.py)
+            whole_codes = None if blocks is None else gguf_blocks(*transcode(t.data, t.tensor_type.name), shape, t.name)
+        except UnsupportedBlockType:  # Q2_K/IQ4_XS: dequantized here, re-quantized by the mode
             whole_codes = None
         for name, rows in split_rows(cfg, hf_name(t.name, names)):  # a fused tensor: its parts' rows
             w = whole[rows]

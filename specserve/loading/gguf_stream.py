@@ -20,6 +20,7 @@ import torch
 from ..memory import check_memory, peak_rss_bytes
 from ..models.embedding import GGUFEmbedding
 from ..formats.gguf_blocks import NATIVE
+from ..formats.transcode import TRANSCODED, transcode
 from .gguf import hf_form, tensor_shape, unpermute_rotary
 from .names import hf_name, layer_names, split_rows
 from ..models.config import ModelConfig
@@ -67,12 +68,14 @@ class GGUFTensors(Mapping):
         if name not in self.by_name:
             return None
         t, rows = self.by_name[name]
-        qtype, shape = t.tensor_type.name, tensor_shape(t)
+        shape = tensor_shape(t)
+        # a fused tensor's part: a view of its rows, every block whole; Q3_K/IQ4_NL rewritten exactly
+        # (formats/transcode.py)
+        data, qtype = transcode(t.data[rows], t.tensor_type.name)
         # float tensors stay dense; other block types are readable (dequantized) but have no exact integer
         # form: re-quantized alone
         if qtype not in NATIVE or len(shape) != 2:
             return None
-        data = t.data[rows]  # a fused tensor's part: a view of its rows, every block whole
         shape = (int(data.shape[0]), shape[1])
         n = self._rows(name)
         # NOTE: a row permutation moves whole rows, so every block stays exact
@@ -98,10 +101,13 @@ def resident_estimate(reader: Any) -> int:
     total = 0
     for t in reader.tensors:
         shape = tensor_shape(t)
-        if len(shape) == 2 and t.tensor_type.name in ("F32", "F16", "BF16"):  # quantized here, at most 8-bit
-            total += packed_nbytes(shape, 8)
-        elif len(shape) == 2:  # packed formats stay within 15% of the file's bytes (Q4_0: its offsets)
+        kind = t.tensor_type.name
+        if len(shape) == 2 and kind in TRANSCODED:  # rewritten (formats/transcode.py): its new block size
+            total += int(t.n_bytes * TRANSCODED[kind][2] / TRANSCODED[kind][1] * 1.15)
+        elif len(shape) == 2 and kind in NATIVE:  # packed formats stay within 15% of the file's bytes (Q4_0: its offsets)
             total += int(t.n_bytes * 1.15)
+        elif len(shape) == 2:  # float or a type without an exact form: quantized here, at most 8-bit
+            total += packed_nbytes(shape, 8)
         else:
             total += 4 * int(np.prod(shape))
     return total

@@ -14,14 +14,16 @@ from ..models.registry import model_class
 from ..tokenizer.tokenizer import Tokenizer
 from .checkpoint import Checkpoint, open_checkpoint, read_weights
 
-NARROW = frozenset(NATIVE) - {"Q8_0"}  # the block types w4a8 keeps exactly
+# block types served in w4a8 by default: those it keeps exactly (Q3_K and IQ4_NL once rewritten, formats/transcode.py),
+# and those it re-quantizes to 4 bits (Q2_K, IQ4_XS: no exact form)
+NARROW = frozenset(NATIVE) - {"Q8_0"} | {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"}
 
 
 def default_quantization(ckpt: Checkpoint, dtype: str, quantization: str | None) -> str | None:
     """--quantization as given ("none" = unquantized); unset with --dtype auto, a GGUF that stores its
-    projections in 4- to 6-bit blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K) is served in w4a8, one in 8-bit blocks
-    (Q8_0) in w8a8: the file's blocks kept exactly, our integer kernel (the fast CPU mode). Anything else, or an
-    explicit --dtype, runs unquantized (exact float)."""
+    projections in 2- to 6-bit blocks (NARROW) is served in w4a8, one in 8-bit blocks (Q8_0) in w8a8: the file's
+    blocks kept exactly where they can be, our integer kernel (the fast CPU mode). Anything else, or an explicit
+    --dtype, runs unquantized (exact float)."""
     if quantization is not None:
         return None if quantization == "none" else quantization
     if dtype != "auto":

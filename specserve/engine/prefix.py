@@ -4,6 +4,8 @@
                 cached prefix of whole pages: the target's hit, cut to what the drafter can start from
                 too (`Drafter.cached_prefix`), and never the whole prompt (the last prompt token is
                 always computed: its logits give the first output token)
+  admitted(req, hit)  the admission stuck (its first chunk got pages): counted once per request, at its
+                first admission (a retry after `undo` or a preempted request's return is not a new query)
   insert(req)   its committed full pages enter the cache: after each prefill chunk (so requests that
                 share a prompt with a running one hit it) and when it lets go of its pages (so a
                 conversation's next turn hits its answer, and a preempted request its own work)
@@ -31,7 +33,7 @@ class PrefixCaching:
     def admit(self, req: Request) -> int:
         """Take the cached pages of req's longest cached prefix into its page table (committed); returns
         how many tokens that skips. NOTE: req holds no KV yet (page table empty, committed_len 0)."""
-        ps, s = self.page_size, self.cache.stats
+        ps = self.page_size
         most = (req.prefill_target - 1) // ps
         keys = extend_page_keys(req.all_ids, req.page_keys, ps, most)[:most]
         n = self.cache.match(keys)
@@ -43,13 +45,19 @@ class PrefixCaching:
             req.committed_len *= ps
             if self.drafter is not None:
                 self.drafter.attach_prefix(req, keys[:n])
+        return n * ps
+
+    def admitted(self, req: Request, hit: int) -> None:
+        """Count req's lookup (`hit` tokens served from the cache) if this is its first admission.
+        NOTE: per request, as vLLM counts: `cached_tokens` is None until the first admission sticks."""
+        if req.cached_tokens is not None:
+            return
+        s = self.cache.stats
         s.queries += 1
         s.query_tokens += req.prefill_target
-        s.hits += n > 0
-        s.hit_tokens += n * ps
-        if not req.output_ids:  # the first admission (a preempted request's hits are its own work)
-            req.cached_tokens = n * ps
-        return n * ps
+        s.hits += hit > 0
+        s.hit_tokens += hit
+        req.cached_tokens = hit
 
     def undo(self, req: Request, kv: KVPool) -> None:
         """Give back what `admit` took (the request goes on waiting: it found no pages for its chunk)."""

@@ -147,7 +147,8 @@ class Scheduler:
         fresh_slot = self.states is not None and req.state_slot is None
         if fresh_slot and not self.states.num_free:
             return 0  # admitted only with a recurrent-state slot
-        hit = self.prefix is not None and not req.page_table and self.prefix.admit(req)
+        admitting = self.prefix is not None and not req.page_table  # no KV yet: new, or preempted and back
+        hit = self.prefix.admit(req) if admitting else 0
         n = min(req.prefill_target - req.committed_len, budget)
         if n <= 0:
             return 0
@@ -161,5 +162,7 @@ class Scheduler:
             return 0
         if fresh_slot:
             req.state_slot = self.states.alloc()
+        if admitting:
+            self.prefix.admitted(req, hit)
         batch.prefills.append((req, n))
         return n

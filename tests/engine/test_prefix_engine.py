@@ -94,7 +94,10 @@ def test_next_turn_hits_the_answer_and_preemption_hits_its_own_work() -> None:
     want = LLM.from_model(m, page_size=4, kv_cache_memory="20KiB", max_running_requests=8,  # the same slot limit
                           disable_prefix_cache=True).generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
-    assert sum(o.meta_info["num_preemptions"] for o in outs) > 0 and small.engine.prefix.stats.evictions > 0
+    stats = small.engine.prefix.stats
+    assert sum(o.meta_info["num_preemptions"] for o in outs) > 0 and stats.evictions > 0
+    # one lookup per request: a preempted request's return (or a retried admission) is not a new query
+    assert stats.queries == len(prompts) and stats.query_tokens == sum(map(len, prompts))
     assert_clean(small.engine)
 
 

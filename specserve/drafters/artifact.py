@@ -61,7 +61,14 @@ def read_config(path: str | Path) -> DrafterConfig:
     if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
         raise ValueError(f"--speculative-draft-model-path: {p} is not a drafter artifact "
                          "(needs config.json and model.safetensors; make one with `specserve train-drafter`)")
-    return DrafterConfig.from_dict(json.loads((p / "config.json").read_text()))
+    raw = json.loads((p / "config.json").read_text())
+    if "algorithm" not in raw:  # a model's config.json (a public EAGLE-3 checkpoint among them), not ours
+        arch = (raw.get("architectures") or [raw.get("model_type", "unknown")])[0]
+        what = "a public EAGLE-3 checkpoint" if "eagle" in str(arch).lower() else "a model, not a drafter artifact"
+        raise ValueError(f"--speculative-draft-model-path: {p} is {what} ({arch}), which specserve does not load "
+                         "as a learned drafter: make one for the target with `specserve train-drafter --target MODEL "
+                         "--algorithm eagle3` (a draft model of the target's vocabulary goes with STANDALONE)")
+    return DrafterConfig.from_dict(raw)
 
 
 def check_target(cfg: DrafterConfig, t: ModelConfig, path: str | Path) -> None:

@@ -40,7 +40,9 @@ def normalize_architecture(name: str) -> str:
     key = _ALIASES.get(name)
     if key is None:
         hf = sorted(a for a in _ALIASES if a[0].isupper())
-        raise ValueError(f"unsupported model architecture {name!r}; supported: {', '.join(SUPPORTED)} "
+        hint = (" (an EAGLE-3 drafter checkpoint: specserve's learned drafters come from `specserve train-drafter`)"
+                if "eagle" in name.lower() else "")
+        raise ValueError(f"unsupported model architecture {name!r}{hint}; supported: {', '.join(SUPPORTED)} "
                          f"(HF: {', '.join(hf)})")
     return key
 

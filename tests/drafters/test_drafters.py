@@ -26,7 +26,7 @@ from specserve.cost.curve import CostModel
 from specserve.cost.gate import DraftGate
 from tests.dist import engine_vs_exact_joint
 from tests.spec_helpers import drive
-from tests.tiny import reference_greedy, tiny_config, tiny_state_dict
+from tests.tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
 
 from tests.drafter_setup import ALGOS, CFG, _spec_llm, _target  # noqa: F401  (the `trained` fixture: conftest.py)
 from tests.drafter_setup import DIST_LEN, DIST_N, DIST_PARAMS, random_drafter_llm
@@ -219,3 +219,21 @@ def test_cost_policy_skips_drafting_when_a_drafting_request_costs_too_much(train
         for (_, prompt, _), r in zip(plan, reqs):
             assert r.output_ids == reference_greedy(eng.model, prompt, 12)
         assert bool(calls) == drafts, calls
+
+
+@pytest.mark.parametrize("algo", ["EAGLE3", "AUTO", "STANDALONE"])
+def test_a_public_eagle3_checkpoint_is_refused_by_name(tmp_path, algo: str) -> None:  # noqa: ANN001
+    """A public EAGLE-3 directory (its own config.json + model.safetensors) is not one of our artifacts: every
+    path that could take it names what it is and how to make a drafter (it was a bare TypeError)."""
+    from safetensors.torch import save_file
+
+    pub = tmp_path / "eagle3"
+    pub.mkdir()
+    (pub / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 97,
+        "draft_vocab_size": 64}))
+    save_file({"fc.weight": torch.zeros(32, 96), "d2t": torch.zeros(64, dtype=torch.long)}, str(pub / "model.safetensors"))
+    target = save_tiny_hf_dir(CFG, tiny_state_dict(CFG), tmp_path / "t")
+    with pytest.raises(ValueError, match="EAGLE-3.*LlamaForCausalLMEagle3|LlamaForCausalLMEagle3.*EAGLE-3"):
+        LLM(target, speculative_algorithm=algo, speculative_draft_model_path=str(pub))

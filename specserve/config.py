@@ -110,7 +110,7 @@ class EngineConfig:
                                                          "target's", unset=0.7)
     speculative_draft_dtype: str | None = _f(None, "dtype of the draft model (default: the target's)",
                                              ("auto", "float32", "bfloat16", "float64"))
-    speculative_draft_vocab: str | None = _f(None, "STANDALONE: the draft model's LM head keeps only these target "
+    speculative_draft_vocab: str | None = _f(None, "STANDALONE (and HYBRID/AUTO over a draft model): the draft model's LM head keeps only these target "
                                              "tokens (a directory from `specserve build-draft-vocab`); default: the one "
                                              "shipped for the target's tokenizer, if any; none = the full head")
 

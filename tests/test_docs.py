@@ -123,3 +123,15 @@ def test_no_references_outside_the_repository() -> None:
                 elif ref.startswith("docs/") and not (ROOT / ref).is_file():
                     bad.append(f"{rel}:{i}: {ref} does not exist")
     assert not bad, "\n".join(bad)
+
+
+def test_every_engine_option_is_in_the_usage_table() -> None:
+    """docs/usage.md's option table names every field of the one config tree (a flag missing there is one a
+    user cannot find)."""
+    import dataclasses
+
+    from specserve.config import EngineConfig
+
+    doc = (ROOT / "docs" / "usage.md").read_text()
+    missing = [f.name for f in dataclasses.fields(EngineConfig) if f"| `--{f.name.replace('_', '-')}`" not in doc]
+    assert not missing, f"docs/usage.md lacks rows for {missing}"

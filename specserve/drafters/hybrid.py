@@ -72,7 +72,8 @@ class HybridDrafter(Drafter):
 
 @register_drafter("HYBRID", Capabilities(block=True, features=True, samples=True, draft_model=True,
                                          default_window="confidence",
-                                         extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match")),
+                                         extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match",
+                                                      "speculative_draft_vocab")),
                   help="n-gram lookup on long matches, else the learned drafter or draft model")
 def _make(ctx: DrafterContext) -> Drafter:
     c = ctx.config

@@ -117,6 +117,10 @@ def resolve_settings(c: EngineConfig, target: ModelConfig) -> SpecSettings:
             if block_flags:
                 raise ValueError(f"--{block_flags[0].replace('_', '-')} applies to block drafters (DFLASH, DSPARK); "
                                  f"{c.speculative_draft_model_path} is a draft model (chains)")
+        elif c.speculative_algorithm == "HYBRID" and c.speculative_draft_vocab is not None:
+            raise ValueError("--speculative-draft-vocab applies to a draft model's LM head (STANDALONE, or HYBRID/AUTO "
+                             "over --speculative-draft-model-path MODEL); HYBRID here drafts with "
+                             f"{path or 'the shipped learned drafter'}")
         trained = read_config(path) if path is not None else None
     return spec_settings(c, trained, path)
 

@@ -148,3 +148,17 @@ def test_draft_model_skips_its_prefill_where_drafting_does_not_pay(dirs: dict[st
     for (_, p, s), r in zip(plan, reqs):
         assert r.output_ids == reference_greedy(eng.model, p, s.max_tokens)
     assert_no_leak(eng)
+
+
+@pytest.mark.parametrize("algo", ["HYBRID", "AUTO"])
+def test_draft_vocab_applies_to_hybrid_over_a_draft_model(dirs: dict[str, str], algo: str) -> None:
+    """--speculative-draft-vocab reaches the draft model under HYBRID/AUTO too (it was refused there); over a
+    learned drafter it is refused by name."""
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [9, 8, 7]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(dirs["target"], dtype="float64", speculative_algorithm=algo, speculative_draft_model_path=dirs["small"],
+              speculative_draft_vocab="none")
+    want = [reference_greedy(llm.engine.model, p, 12) for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    with pytest.raises(ValueError, match="--speculative-draft-vocab applies to a draft model"):
+        LLM(dirs["target"], dtype="float64", speculative_algorithm="HYBRID", speculative_draft_vocab="none")

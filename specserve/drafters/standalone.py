@@ -133,13 +133,16 @@ class StandaloneDrafter(Drafter):
                 self._cache(req, st)
 
     def _draft_token(self, req: Request, logits: torch.Tensor,
-                     drafts: list[int]) -> tuple[int, torch.Tensor | None, float]:
+                     drafts: list[int]) -> tuple[int, torch.Tensor | None, float] | None:
         """Draft token from one row of draft logits, processed as the target will process its row
         (the grammar mask first, as the target's); with q (None: verified one-hot) and its confidence (argmax: its
-        probability; sampled: E_{x~q}[q(x)], a function of the row alone — see learned.py `_choose`)."""
+        probability; sampled: E_{x~q}[q(x)], a function of the row alone — see learned.py `_choose`).
+        None: the grammar allows no token the draft's (reduced) head has, so this row drafts nothing."""
         allowed = grammar_allowed(req, drafts)
         if allowed is not None and bool(allowed.any()):
             logits = logits.masked_fill(~allowed, float("-inf"))
+            if not bool(torch.isfinite(logits).any()):
+                return None
         x = target_logits(logits[None], req.params, req.prompt_ids, req.output_ids + drafts, [])[0]
         q = torch.softmax(x.float(), dim=-1)
         if req.params.greedy or self.greedy_draft:
@@ -176,7 +179,10 @@ class StandaloneDrafter(Drafter):
             self._advance(sts, states, [len(pending[b]) for b in active])
             still = []
             for b, st, row in zip(active, sts, logits):
-                tok, q, c = self._draft_token(reqs[b], row[0], tokens[b])
+                drafted = self._draft_token(reqs[b], row[0], tokens[b])
+                if drafted is None:
+                    continue  # nothing the grammar allows is draftable: this chain ends here
+                tok, q, c = drafted
                 tokens[b].append(tok)
                 conf[b].append(c)
                 live[b] *= c

@@ -201,3 +201,34 @@ def test_standalone_draft_vocab_of_another_tokenizer_refused(dirs: dict[str, str
     (tmp_path / "config.json").write_text(json.dumps({"tokenizer": "0" * 16, "tokenizer_name": "other"}))
     with pytest.raises(ValueError, match="built for another tokenizer"):
         _llm(dirs, "small", 2, speculative_draft_vocab=str(tmp_path))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_allowing_only_tokens_outside_the_reduced_head(tmp_path, temperature: float) -> None:  # noqa: ANN001
+    """The grammar allows only a, c, e (tokens 65, 67, 69: several, so no draft is forced), which the draft's
+    reduced head (even ids) lacks: the draft drafts nothing for that row instead of failing the request (sampled:
+    an all −inf row) or drafting token 0 (greedy)."""
+    import json
+
+    import numpy as np
+
+    from specserve.drafters.draft_vocab import FILE, tokenizer_fingerprint
+    from tests.grammar_setup import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    dirs = {}
+    for name, layers, seed in (("t", 2, 1), ("d", 1, 2)):
+        cfg = tiny_config("llama", layers=layers)
+        dirs[name] = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=seed), tmp_path / name)
+        tok.backend.save(f"{dirs[name]}/tokenizer.json")
+        (tmp_path / name / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    vocab = tmp_path / "vocab"
+    vocab.mkdir()
+    np.savez(vocab / FILE, ids=np.arange(0, 80, 2))
+    (vocab / "config.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(tok), "tokenizer_name": "t"}))
+    llm = LLM(dirs["t"], dtype="float64", speculative_algorithm="STANDALONE", speculative_draft_model_path=dirs["d"],
+              speculative_draft_vocab=str(vocab), speculative_num_draft_tokens=4)
+    assert tok.encode("ace", add_special_tokens=False) == [65, 67, 69]
+    out = llm.generate([[33, 34, 35]], SamplingParams(temperature=temperature, max_tokens=8, regex="[ace]{6}", seed=1))[0]
+    assert out.finish_reason == "stop" and set(out.token_ids[:6]) <= {65, 67, 69} and len(out.token_ids) >= 6
+    assert llm.engine.stats.num_draft_tokens == 0  # nothing the grammar allows was draftable

@@ -214,6 +214,8 @@ class StandaloneDrafter(Drafter):
     def release(self, req: Request) -> None:
         st = self.state.pop(req.request_id, None)
         if st is not None:
+            if st.base:  # released inside a step, before its commit: rows from base on hold drafts, maybe rejected
+                st.done = min(st.done, st.base)
             self._cache(req, st)
             self.kv.release(st.page_table, req.finish_reason == "error")
             if self.runner.states is not None:

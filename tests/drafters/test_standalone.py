@@ -232,3 +232,34 @@ def test_grammar_allowing_only_tokens_outside_the_reduced_head(tmp_path, tempera
     out = llm.generate([[33, 34, 35]], SamplingParams(temperature=temperature, max_tokens=8, regex="[ace]{6}", seed=1))[0]
     assert out.finish_reason == "stop" and set(out.token_ids[:6]) <= {65, 67, 69} and len(out.token_ids) >= 6
     assert llm.engine.stats.num_draft_tokens == 0  # nothing the grammar allows was draftable
+
+
+def test_draft_prefix_cache_holds_only_committed_rows(dirs: dict[str, str]) -> None:
+    """A request that finishes inside a step (a stop cuts its accepted run) leaves draft rows past its last
+    committed token, one of them a rejected draft's: none of them may enter the draft's prefix cache. The next
+    turn's hit must be the fresh forward of its tokens."""
+    from specserve.cache.kv_pool import KVPool
+    from specserve.runtime.runner import ModelRunner
+
+    llm = _llm(dirs, "small", 5, page_size=4)
+    eng, d = llm.engine, llm.engine.drafter
+    prompt = [4, 8, 15, 16, 23, 42, 7, 9, 11]
+    full = reference_greedy(eng.model, prompt, 40)
+    for j in range(2, 40):  # stop at output j (a stop id finishes the run at its correction token)
+        if full[j] in full[:j]:
+            continue
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[full[j]]))[0]
+        assert out.token_ids == full[:j + 1] or out.token_ids == full[:j], (j, out.token_ids)
+        req = eng.add_request(prompt + full[:j + 1] + [5], SamplingParams(temperature=0, max_tokens=2))
+        eng.step()  # admitted onto the cached pages (target and draft), prefilled, first token
+        st = d.state[req.request_id]
+        ids = req.all_ids[: st.done]
+        kv = KVPool(d.runner.model.cfg, 8, 16, torch.float64)
+        pt: list[int] = []
+        kv.ensure(pt, len(ids))
+        ModelRunner(d.runner.model, kv).forward([pt], [0], [ids], [[]])
+        slots = d.runner.kv.slots(st.page_table, 0, st.done)
+        for layer in range(len(kv.k)):
+            assert torch.allclose(d.kv.k[layer][slots], kv.k[layer][: len(ids)], atol=1e-10), (j, layer)
+        while eng.requests:
+            eng.step()

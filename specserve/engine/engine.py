@@ -93,7 +93,7 @@ class Engine:
         self.slide = None if window is None else SlideWindow(
             self.kv, window, None if self.prefix is None else self.prefix.insert)
         steps = [KeepPath(self.kv), *([CommitState(self.states)] if self.states else []), AdvanceKV(),
-                 *([self.slide] if self.slide else []), Emit(self.emitter, self.stats, self.policy.trials, self._finish)]
+                 Emit(self.emitter, self.stats, self.policy.trials, self._finish), *([self.slide] if self.slide else [])]
         self.commit_stage = CommitStage(steps + ([DraftState(self.drafter)] if self.drafter else []), self._fail)
         self._grammars = GrammarCompiler(config.grammar_backend, self.tokenizer, mcfg.vocab_size, self.eos_ids)
         self._seed_rng = random.Random(config.seed)

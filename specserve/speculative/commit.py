@@ -7,9 +7,10 @@ goes through `CommitStage.steps` in order:
   CommitState (hybrid targets) the request's state slot takes the recurrent state after the last kept
               row (row n of a chain, the accepted path's last node of a tree): verify never wrote it
   AdvanceKV   committed_len += accepted + 1: the KV of the last token and the accepted drafts is final
-  SlideWindow (every layer sliding, Mistral) the pages wholly behind the window leave the request
   Emit        the tokens one by one through the stop scan (EOS, stop ids/strings, max_tokens,
               context); per-request and engine-wide acceptance stats count only what was emitted
+  SlideWindow (every layer sliding, Mistral) the pages wholly behind the window leave the request, after
+              Emit: the prefix cache keys a page by its tokens, which Emit has appended by then
   DraftState  drafter.commit with the committed rows' target features (one call for the batch)
 A request's grammar matcher advances inside Emit, token by token after the stop scan
 (runtime/output.py), so that a grammar's end cuts the run exactly where a stop string would.

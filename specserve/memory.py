@@ -11,19 +11,62 @@ from pathlib import Path
 import torch
 
 
+CGROUP_ROOT, PROC_CGROUP = Path("/sys/fs/cgroup"), Path("/proc/self/cgroup")
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a huge page-aligned number
+
+
+def cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) in bytes of the tightest memory cgroup this process is in, itself or an ancestor (v2:
+    memory.max / memory.current; v1: memory.limit_in_bytes / memory.usage_in_bytes); None without a limit. A
+    container's limit is what the OOM killer enforces, whatever the host's RAM."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    best: tuple[int, int] | None = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, files = CGROUP_ROOT, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = CGROUP_ROOT / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        here = base / path.lstrip("/")
+        for d in (here, *here.parents):
+            try:
+                limit, usage = ((d / f).read_text().strip() for f in files)
+            except OSError:
+                limit = "max"
+            if limit != "max" and int(limit) < _UNLIMITED:
+                if best is None or int(limit) - int(usage) < best[0] - best[1]:
+                    best = (int(limit), int(usage))
+            if d == base:
+                break
+    return best
+
+
 def total_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """RAM, or the memory cgroup's limit when that is lower (a fraction of it sizes --kv-cache-memory)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cg = cgroup_memory()
+    return ram if cg is None else min(ram, cg[0])
 
 
 def available_memory_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (page cache that can be dropped counts as free), None off Linux."""
+    """MemAvailable of /proc/meminfo (page cache that can be dropped counts as free), capped by what the memory
+    cgroup has left (its limit minus its usage); None off Linux."""
+    free = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    cg = cgroup_memory()
+    if cg is not None:
+        free = max(0, cg[0] - cg[1]) if free is None else min(free, max(0, cg[0] - cg[1]))
+    return free
 
 
 def check_memory(need: int, what: str) -> None:

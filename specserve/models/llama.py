@@ -8,7 +8,7 @@ through the MLP. A family module subclasses `LlamaModel` only to name its checkp
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from typing import TYPE_CHECKING
 
@@ -30,13 +30,13 @@ if TYPE_CHECKING:
 # the fused projections: each layer attribute and the (canonical, HF-named) parts concatenated into it
 PARTS = {"qkv_w": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_w": ("self_attn.o_proj",),
          "gate_up_w": ("mlp.gate_proj", "mlp.up_proj"), "down_w": ("mlp.down_proj",)}
-ROPE_POSITIONS = 4096  # positions the RoPE tables cover at first; they grow as requests reach further (_cover)
 # each layer's norms: attribute → HF leaf (a norm the config does not switch on is None and skipped)
 NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
          "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+ROPE_POSITIONS = 4096  # positions the RoPE tables cover at first; they grow as requests reach further (_cover)
 
 
-def _act(name: str) -> "Any":
+def _act(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "silu":
         return F.silu
     if name == "gelu_tanh":

@@ -66,27 +66,31 @@ def test_standalone_requests_join_midway(dirs: dict[str, str]) -> None:
     assert drafter.state == {} and drafter.kv.allocator.num_free == drafter.kv.allocator.num_pages
 
 
-def test_draft_kv_matches_committed_tokens(dirs: dict[str, str]) -> None:
-    """After each step, the draft's valid KV (positions < done) equals a fresh forward of the tokens."""
+def _assert_draft_kv_fresh(d, req) -> None:  # noqa: ANN001
+    """The draft's valid KV of `req` (positions < done) equals a fresh forward of its tokens."""
     from specserve.cache.kv_pool import KVPool
     from specserve.runtime.runner import ModelRunner
 
+    st = d.state[req.request_id]
+    ids = req.all_ids[: st.done]
+    kv = KVPool(d.runner.model.cfg, 8, 16, torch.float64)
+    pt: list[int] = []
+    kv.ensure(pt, len(ids))
+    ModelRunner(d.runner.model, kv).forward([pt], [0], [ids], [[]])
+    slots = d.runner.kv.slots(st.page_table, 0, st.done)
+    for layer in range(len(kv.k)):
+        assert torch.allclose(d.kv.k[layer][slots], kv.k[layer][: len(ids)], atol=1e-10), layer
+        assert torch.allclose(d.kv.v[layer][slots], kv.v[layer][: len(ids)], atol=1e-10), layer
+
+
+def test_draft_kv_matches_committed_tokens(dirs: dict[str, str]) -> None:
+    """After each step, the draft's valid KV (positions < done) equals a fresh forward of the tokens."""
     llm = _llm(dirs, "small", 5)
     eng = llm.engine
     req = eng.add_request([4, 8, 15, 16, 23, 42], SamplingParams(temperature=0, max_tokens=30))
-    d = eng.drafter
     for _ in range(6):
         eng.step()
-        st = d.state[req.request_id]
-        ids = req.all_ids[: st.done]
-        kv = KVPool(d.runner.model.cfg, 8, 16, torch.float64)
-        pt: list[int] = []
-        kv.ensure(pt, len(ids))
-        ModelRunner(d.runner.model, kv).forward([pt], [0], [ids], [[]])
-        slots = d.runner.kv.slots(st.page_table, 0, st.done)
-        for layer in range(len(kv.k)):
-            assert torch.allclose(d.kv.k[layer][slots], kv.k[layer][: len(ids)], atol=1e-10)
-            assert torch.allclose(d.kv.v[layer][slots], kv.v[layer][: len(ids)], atol=1e-10)
+        _assert_draft_kv_fresh(eng.drafter, req)
 
 
 def test_vocab_mismatch_refused(dirs: dict[str, str]) -> None:
@@ -238,9 +242,6 @@ def test_draft_prefix_cache_holds_only_committed_rows(dirs: dict[str, str]) -> N
     """A request that finishes inside a step (a stop cuts its accepted run) leaves draft rows past its last
     committed token, one of them a rejected draft's: none of them may enter the draft's prefix cache. The next
     turn's hit must be the fresh forward of its tokens."""
-    from specserve.cache.kv_pool import KVPool
-    from specserve.runtime.runner import ModelRunner
-
     llm = _llm(dirs, "small", 5, page_size=4)
     eng, d = llm.engine, llm.engine.drafter
     prompt = [4, 8, 15, 16, 23, 42, 7, 9, 11]
@@ -252,14 +253,6 @@ def test_draft_prefix_cache_holds_only_committed_rows(dirs: dict[str, str]) -> N
         assert out.token_ids == full[:j + 1] or out.token_ids == full[:j], (j, out.token_ids)
         req = eng.add_request(prompt + full[:j + 1] + [5], SamplingParams(temperature=0, max_tokens=2))
         eng.step()  # admitted onto the cached pages (target and draft), prefilled, first token
-        st = d.state[req.request_id]
-        ids = req.all_ids[: st.done]
-        kv = KVPool(d.runner.model.cfg, 8, 16, torch.float64)
-        pt: list[int] = []
-        kv.ensure(pt, len(ids))
-        ModelRunner(d.runner.model, kv).forward([pt], [0], [ids], [[]])
-        slots = d.runner.kv.slots(st.page_table, 0, st.done)
-        for layer in range(len(kv.k)):
-            assert torch.allclose(d.kv.k[layer][slots], kv.k[layer][: len(ids)], atol=1e-10), (j, layer)
+        _assert_draft_kv_fresh(d, req)
         while eng.requests:
             eng.step()

@@ -13,13 +13,18 @@ from specserve.drafters.base import ALGORITHM_FLAGS, Capabilities, capabilities,
 from specserve.speculative.resolve import resolve_config
 from tests.tiny import tiny_config
 
+
+def _not_for(algo: str, **flag: object) -> tuple[dict, str]:
+    """A flag `algo` does not take, and the error naming both."""
+    (name, _), = flag.items()
+    return (dict(speculative_algorithm=algo, **flag),
+            f"--{name.replace('_', '-')} does not apply to --speculative-algorithm {algo}")
+
+
 REFUSED = [
-    (dict(speculative_algorithm="NGRAM", speculative_lattice_topk=2),
-     "--speculative-lattice-topk does not apply to --speculative-algorithm NGRAM"),
-    (dict(speculative_algorithm="EAGLE3", speculative_lattice_topk=0),
-     "--speculative-lattice-topk does not apply to --speculative-algorithm EAGLE3"),
-    (dict(speculative_algorithm="NGRAM", speculative_block_size=4),
-     "--speculative-block-size does not apply to --speculative-algorithm NGRAM"),
+    _not_for("NGRAM", speculative_lattice_topk=2),
+    _not_for("EAGLE3", speculative_lattice_topk=0),
+    _not_for("NGRAM", speculative_block_size=4),
     (dict(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_num_draft_tokens=3),
      "--speculative-num-steps is the chain length"),
     (dict(speculative_algorithm="DSPARK", speculative_block_size=4, speculative_num_draft_tokens=4),
@@ -30,18 +35,12 @@ REFUSED = [
      "--speculative-confidence-threshold applies to --speculative-window confidence, not fixed"),
     (dict(speculative_algorithm="AUTO", speculative_confidence_threshold=0.3),
      "--speculative-confidence-threshold applies to --speculative-window confidence, not cost"),
-    (dict(speculative_algorithm="DSPARK", speculative_ngram_max_match=3),
-     "--speculative-ngram-max-match does not apply to --speculative-algorithm DSPARK"),
-    (dict(speculative_algorithm="NGRAM", speculative_synthetic_accept_rate=0.5),
-     "--speculative-synthetic-accept-rate does not apply to --speculative-algorithm NGRAM"),
-    (dict(speculative_algorithm="SYNTHETIC", speculative_draft_model_path="x"),
-     "--speculative-draft-model-path does not apply to --speculative-algorithm SYNTHETIC"),
-    (dict(speculative_algorithm="NGRAM", speculative_draft_attention_window=8),
-     "--speculative-draft-attention-window does not apply to --speculative-algorithm NGRAM"),
-    (dict(speculative_algorithm="DFLASH", speculative_eagle_topk=2),
-     "--speculative-eagle-topk does not apply to --speculative-algorithm DFLASH"),
-    (dict(speculative_algorithm="NGRAM", speculative_greedy_draft=True),
-     "--speculative-greedy-draft does not apply to --speculative-algorithm NGRAM"),
+    _not_for("DSPARK", speculative_ngram_max_match=3),
+    _not_for("NGRAM", speculative_synthetic_accept_rate=0.5),
+    _not_for("SYNTHETIC", speculative_draft_model_path="x"),
+    _not_for("NGRAM", speculative_draft_attention_window=8),
+    _not_for("DFLASH", speculative_eagle_topk=2),
+    _not_for("NGRAM", speculative_greedy_draft=True),
     (dict(speculative_algorithm="NGRAM", speculative_accept="block"),
      "--speculative-accept block needs draft distributions q, but NGRAM drafts are deterministic"),
     (dict(speculative_algorithm="DSPARK", speculative_greedy_draft=True, speculative_accept="block"),

@@ -135,6 +135,7 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self._grow_rope(min(cfg.max_position_embeddings, ROPE_POSITIONS))
+        self._lean = all(layer.lean for layer in self.layers)  # the fused loop runs every layer (static)
         self.tp: "TensorParallel | None" = None  # set by parallel.attach on a tensor-parallel shard
         self.head_ids: torch.Tensor | None = None  # a reduced head (draft models): the vocab ids of its rows
         self.logits_vocab = cfg.vocab_size  # a reduced head's logits width (a draft model: the target's vocabulary)
@@ -211,8 +212,7 @@ class LlamaModel(nn.Module):
         # NOTE: the fused loop never calls a layer module, so layers with forward hooks (tests that
         # poison one request's hidden rows, debugging) run the reference loop
         self._cover(fb.positions)
-        if (fused.enabled() and all(layer.lean for layer in self.layers)
-                and not any(layer._forward_hooks for layer in self.layers)):
+        if fused.enabled() and self._lean and not any(layer._forward_hooks for layer in self.layers):
             return self._forward_fused(fb, k_caches, v_caches, capture_layers)
         x = self.embed_tokens(fb.input_ids)
         tables = {False: (self.cos_table, self.sin_table), True: (self.cos_local, self.sin_local)}

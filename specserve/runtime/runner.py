@@ -15,6 +15,7 @@ from ..models.llama import LlamaModel
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVPool, states: StatePool | None = None) -> None:
         self.model, self.kv = model, kv
+        self.window = model.cfg.kv_window  # every layer slides: a request's context is its last window
         self.states = states  # hybrid models: the recurrent-state slots beside the KV pool
 
     @torch.no_grad()
@@ -39,7 +40,7 @@ class ModelRunner:
         it may be gone (KVPool.free_below).
         NOTE: the caller has ensured page_tables cover starts[b] + len(tokens[b]) positions."""
         slot_lists, ctx_lists, firsts, logits_index = [], [], [], []
-        window = self.model.cfg.kv_window
+        window = self.window
         base = 0
         for pt, s, toks, offs in zip(page_tables, starts, tokens, logits_offsets):
             first = max(0, s - window + 1) if window else 0  # the first position the first query sees

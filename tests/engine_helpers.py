@@ -67,3 +67,17 @@ def _sample(llm: LLM, prompts, **kw):  # noqa: ANN001, ANN202
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [50, 60, 70, 80, 90, 10, 20], [33]]
+
+
+def fixed_curves(monkeypatch: pytest.MonkeyPatch, target, draft=None) -> None:  # noqa: ANN001
+    """The cost policy plans on these step-cost curves (CostModels) instead of this machine's timings: loaded as
+    if cached and already checked (nothing left to measure); `draft` for a draft model's runner."""
+    from pathlib import Path
+
+    from specserve.cost.curve import Calibration, CostModel
+
+    def load(cls, runner, key, cache_dir=None):  # noqa: ANN001, ANN202
+        model = draft if key.startswith("draft-") and draft is not None else target
+        return model, Calibration(runner, model, Path(), [], probing=False)
+
+    monkeypatch.setattr(CostModel, "load", classmethod(load))

@@ -72,3 +72,17 @@ def config_args(a: argparse.Namespace, spec: str, flag: str) -> tuple[argparse.N
         setattr(a2, key, parse_field(value, fields[key], source=f"{flag} {spec}"))
     return a2, algo, window
 
+
+
+def config_flags(spec: str, flag: str) -> list[str]:
+    """A configuration (config_args' ALGO[+WINDOW][:flag=value...]) as `specserve serve` flags."""
+    head, *overrides = spec.split(":")
+    algo, _, window = head.partition("+")
+    out = ["--speculative-algorithm", "NONE" if algo == "plain" else algo]
+    out += ["--speculative-window", window] if window else []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if not key or not value:
+            raise ValueError(f"{flag} {spec!r}: {o!r} is not flag=value for an engine flag")
+        out += [f"--{key.lstrip('-')}", value]
+    return out

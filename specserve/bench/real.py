@@ -2,9 +2,13 @@
 
 Each configuration runs in its own process (so load time and peak RSS are its own): load, decode the
 prompts at batch 1 (greedy, ignore_eos, the same token ids for every engine), then prefill one long prompt.
-Reported per configuration: load seconds, peak RSS, decode tok/s, weight bytes streamed per decoded token
-and the GB/s that implies (plain decoding is memory-bound: compare with the machine's streaming bandwidth,
-measured here too), prefill tok/s, acceptance length and whether the text equals plain decoding's.
+The llama.cpp peers: `llama.cpp` (llama-cpp-python in process) and llama-server over HTTP (`llama-server`,
+`llama-server+draft`, `llama-server+ngram`: bench/launch.py; load = seconds until its /health answers).
+Reported per configuration: load seconds, peak RSS, decode tok/s and its ratio to the baseline (llama-server
+plain where it ran, else llama.cpp), weight bytes streamed per decoded token and the GB/s that implies (plain
+decoding is memory-bound: compare with the machine's streaming bandwidth, measured here too), prefill tok/s,
+acceptance length (llama-server: the share of drafted tokens accepted) and whether the text equals plain
+decoding's on the same engine.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # NOTE: stdlib imports only at module level: a configuration's process runs this file as a script, so the
 # llama.cpp baseline's peak RSS holds neither torch nor specserve.
@@ -26,9 +30,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
     add_prompt_args(p, default="mtbench")
     p.add_argument("--configs", nargs="+", default=["llama.cpp", "plain", "AUTO"],
-                   help="llama.cpp, plain, or ALGO[+WINDOW][:flag=value...] (AUTO, STANDALONE+fixed, "
-                        "AUTO:speculative-num-draft-tokens=6...); engine flags given here (e.g. "
-                        "--speculative-draft-model-path) apply to every specserve config")
+                   help="llama.cpp, llama-server, llama-server+draft, llama-server+ngram, plain, or "
+                        "ALGO[+WINDOW][:flag=value...] (AUTO, STANDALONE+fixed, AUTO:speculative-num-draft-tokens=6...); "
+                        "engine flags given here (e.g. --speculative-draft-model-path) apply to every specserve config "
+                        "(the draft model path to llama-server+draft too)")
     p.add_argument("--prefill-tokens", type=int, default=2000, help="length of the prefill probe (0: skip)")
     p.add_argument("--synthetic-acceptance", type=float, default=None, metavar="RATE",
                    help="speculative configs: each drafted token is plain decoding's token with probability RATE, "
@@ -49,64 +54,117 @@ def stream_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+class _Peer:
+    """One configuration's engine as `_child` drives it: load seconds, greedy generation of token ids, the
+    weight bytes a decoded token streams, and its speculative counters (zeroed after the warm-up)."""
+
+    def __init__(self, load: float, gen: Callable[[list[int], int], list[int]], weight_bytes: int,
+                 meta: dict[str, Any] | None = None, counters: dict[str, int] | None = None) -> None:
+        self.load, self.gen, self.weight_bytes = load, gen, weight_bytes
+        self.meta, self.counters = meta or {}, counters if counters is not None else {}
+
+    def peak_rss_gib(self) -> float:
+        # NOTE: VmHWM, not ru_maxrss: the latter survives exec, so it would report the parent's peak (its 1 GiB
+        # bandwidth probe) for any configuration smaller than that
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+
+    def close(self) -> None:
+        pass
+
+
+def _llama_cpp(cfg: dict[str, Any]) -> _Peer:
+    from llama_cpp import Llama
+
+    t0 = time.perf_counter()
+    llm = Llama(model_path=cfg["path"], n_ctx=4096, n_threads=cfg["threads"], verbose=False)
+
+    def gen(ids: list[int], n: int) -> list[int]:  # reuses the longest prefix it holds, as specserve does
+        out = []
+        for tok in llm.generate(ids, temp=0.0, reset=True):
+            out.append(int(tok))
+            if len(out) >= n:
+                break
+        return out
+    return _Peer(time.perf_counter() - t0, gen, cfg["file_weight_bytes"])
+
+
+class _LlamaServer(_Peer):
+    """llama-server over HTTP: its /completion with token ids, its own peak RSS."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        from specserve.bench.launch import free_port, launch, llama_server_argv
+
+        port = free_port()
+        self.server = launch(llama_server_argv(cfg["name"], cfg["path"], port, cfg["threads"], cfg["draft"]), port)
+        super().__init__(self.server.ready_s, self._gen, cfg["file_weight_bytes"],
+                         counters={"draft_n": 0, "draft_n_accepted": 0})
+
+    def _gen(self, ids: list[int], n: int) -> list[int]:
+        r = self.server.post("/completion", {"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True,
+                                             "cache_prompt": True, "return_tokens": True})
+        for k in self.counters:
+            self.counters[k] += r.get("timings", {}).get(k, 0)
+        return [int(t) for t in r["tokens"]]
+
+    def peak_rss_gib(self) -> float:
+        return self.server.peak_rss_gib()
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def _specserve(cfg: dict[str, Any]) -> _Peer:
+    from specserve.core import SamplingParams
+    from specserve.engine.llm import LLM
+    from specserve.flags import config_from_args
+
+    t0 = time.perf_counter()
+    llm = LLM.from_config(config_from_args(argparse.Namespace(**cfg["args"]), cfg["path"]))
+    load = time.perf_counter() - t0
+    if cfg.get("reference") and llm.engine.drafter is not None:
+        stated_acceptance(llm.engine, {tuple(p): o for p, o in zip(cfg["prompts"], cfg["reference"])},
+                          cfg["synthetic_acceptance"])
+    meta = {"drafter": llm.engine.drafter.label if llm.engine.drafter else None,
+            "window": llm.config.speculative_window, "quantization": llm.engine.config.quantization}
+    counters = {"verify": 0, "accepted": 0}
+
+    def gen(ids: list[int], n: int) -> list[int]:
+        o = llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        counters["verify"] += o.meta_info.get("spec_verify_ct", 0)
+        counters["accepted"] += o.meta_info.get("spec_accepted_tokens", 0)
+        return list(o.token_ids)
+    return _Peer(load, gen, streamed_weight_bytes(llm.engine.model), meta, counters)
+
+
 def _child(cfg: dict[str, Any]) -> dict[str, Any]:
     """One configuration, in this (fresh) process."""
-    t0 = time.perf_counter()
-    if cfg["name"] == "llama.cpp":
-        from llama_cpp import Llama
-
-        llm = Llama(model_path=cfg["path"], n_ctx=4096, n_threads=cfg["threads"], verbose=False)
-        load = time.perf_counter() - t0
-
-        def gen(ids: list[int], n: int) -> list[int]:  # reuses the longest prefix it holds, as specserve does
-            out = []
-            for tok in llm.generate(ids, temp=0.0, reset=True):
-                out.append(int(tok))
-                if len(out) >= n:
-                    break
-            return out
-        weight_bytes, meta = cfg["file_weight_bytes"], {}
-    else:
-        from specserve.flags import config_from_args
-        from specserve.core import SamplingParams
-        from specserve.engine.llm import LLM
-
-        llm = LLM.from_config(config_from_args(argparse.Namespace(**cfg["args"]), cfg["path"]))
-        load = time.perf_counter() - t0
-        if cfg.get("reference") and llm.engine.drafter is not None:
-            stated_acceptance(llm.engine, {tuple(p): o for p, o in zip(cfg["prompts"], cfg["reference"])},
-                              cfg["synthetic_acceptance"])
-        meta = {"drafter": llm.engine.drafter.label if llm.engine.drafter else None,
-                "window": llm.config.speculative_window, "quantization": llm.engine.config.quantization}
-        stats = {"verify": 0, "accepted": 0}
-
-        def gen(ids: list[int], n: int) -> list[int]:
-            o = llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
-            stats["verify"] += o.meta_info.get("spec_verify_ct", 0)
-            stats["accepted"] += o.meta_info.get("spec_accepted_tokens", 0)
-            return list(o.token_ids)
-        weight_bytes = streamed_weight_bytes(llm.engine.model)
-    gen(cfg["warmup"], 8)  # shares no prefix with the prompts: both engines prefill each prompt cold
-    if cfg["name"] != "llama.cpp":
-        stats.update(verify=0, accepted=0)
-    outs, t = [], time.perf_counter()
-    for ids in cfg["prompts"]:
-        outs.append(gen(ids, cfg["new_tokens"]))
-    decode_s = time.perf_counter() - t
-    n_tok = sum(len(o) for o in outs)
-    res = {"load_s": load, "decode_tok_s": n_tok / decode_s, "tokens": n_tok, "outputs": outs,
-           "weight_bytes_per_token": weight_bytes, **meta}
-    if cfg["name"] != "llama.cpp" and stats["verify"]:
-        res["accept_length"] = (stats["accepted"] + stats["verify"]) / stats["verify"]
-    if cfg["prefill"]:
-        t = time.perf_counter()
-        gen(cfg["prefill"], 1)
-        res["prefill_tok_s"] = len(cfg["prefill"]) / (time.perf_counter() - t)
-    # NOTE: VmHWM, not ru_maxrss: the latter survives exec, so it would report the parent's peak (its 1 GiB
-    # bandwidth probe) for any configuration smaller than that
-    with open("/proc/self/status") as f:
-        res["peak_rss_gib"] = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
-    return res
+    name = cfg["name"]
+    peer = _llama_cpp(cfg) if name == "llama.cpp" else _LlamaServer(cfg) if name.startswith("llama-server") \
+        else _specserve(cfg)
+    try:
+        peer.gen(cfg["warmup"], 8)  # shares no prefix with the prompts: every engine prefills each prompt cold
+        c = peer.counters
+        c.update({k: 0 for k in c})
+        outs, t = [], time.perf_counter()
+        for ids in cfg["prompts"]:
+            outs.append(peer.gen(ids, cfg["new_tokens"]))
+        decode_s = time.perf_counter() - t
+        n_tok = sum(len(o) for o in outs)
+        res = {"load_s": peer.load, "decode_tok_s": n_tok / decode_s, "tokens": n_tok, "outputs": outs,
+               "weight_bytes_per_token": peer.weight_bytes, **peer.meta}
+        if c.get("verify"):
+            res["accept_length"] = (c["accepted"] + c["verify"]) / c["verify"]
+        if c.get("draft_n"):  # llama-server counts drafted and accepted tokens, not verify steps
+            res["draft_acceptance"] = c["draft_n_accepted"] / c["draft_n"]
+        if cfg["prefill"]:
+            t = time.perf_counter()
+            peer.gen(cfg["prefill"], 1)
+            res["prefill_tok_s"] = len(cfg["prefill"]) / (time.perf_counter() - t)
+        res["peak_rss_gib"] = peer.peak_rss_gib()
+        return res
+    finally:
+        peer.close()
 
 
 def stated_acceptance(engine: Any, reference: dict[tuple[int, ...], list[int]], rate: float, seed: int = 0) -> None:
@@ -169,6 +227,7 @@ def run(a: argparse.Namespace) -> dict:
     from ..loading.checkpoint import resolve_model_path
     from ..tokenizer.tokenizer import Tokenizer
     from .common import config_args, record, workloads
+    from .launch import is_llama_server
 
     path = str(resolve_model_path(a.model or "smollm2-135m"))
     tok = Tokenizer.from_gguf(GGUFFile(path))
@@ -184,12 +243,13 @@ def run(a: argparse.Namespace) -> dict:
         configs = ["plain", *[c for c in configs if c != "plain"]]
         results["synthetic_acceptance"] = a.synthetic_acceptance
     for name in configs:
-        args = {} if name == "llama.cpp" else vars(config_args(a, name, "--configs")[0])
+        peer = name == "llama.cpp" or is_llama_server(name)
+        args = {} if peer else vars(config_args(a, name, "--configs")[0])
         cfg = {"name": name, "path": path, "args": {k: v for k, v in args.items() if not callable(v)},
                "threads": threads, "prompts": prompts, "warmup": tok.encode("Say hello.", add_special_tokens=False),
                "new_tokens": a.max_new_tokens, "prefill": filler[: a.prefill_tokens] if a.prefill_tokens else [],
-               "file_weight_bytes": file_weight_bytes(path)}
-        if a.synthetic_acceptance is not None and name not in ("plain", "llama.cpp"):
+               "file_weight_bytes": file_weight_bytes(path), "draft": a.speculative_draft_model_path}
+        if a.synthetic_acceptance is not None and name != "plain" and not peer:
             if "outputs" not in results["plain"]:
                 raise SystemExit("--synthetic-acceptance: plain decoding failed, so the drafts have no reference")
             cfg.update(reference=results["plain"]["outputs"], synthetic_acceptance=a.synthetic_acceptance)
@@ -210,19 +270,26 @@ def run(a: argparse.Namespace) -> dict:
 
 
 def _summarize(results: dict[str, Any], names: list[str]) -> None:
+    """The table; each config's speed as a ratio to the baseline (llama-server plain where it ran, else
+    llama.cpp) and its text against plain decoding on the same engine (specserve's `plain`, `llama-server`)."""
     ok = [n for n in names if "error" not in results[n]]
-    base = results.get("llama.cpp", {}).get("decode_tok_s")
-    plain = results.get("plain", {}).get("outputs")
-    print(f"machine streaming bandwidth: {results['stream_bandwidth_gbs']:.1f} GB/s")
+    base_name = next((n for n in ("llama-server", "llama.cpp") if n in ok), None)
+    base = results[base_name]["decode_tok_s"] if base_name else None
+    print(f"machine streaming bandwidth: {results['stream_bandwidth_gbs']:.1f} GB/s; baseline: {base_name}")
     w = max([12, *(len(n) + 2 for n in ok)])
-    print(f"{'config':<{w}}{'load s':>8}{'peak GiB':>10}{'tok/s':>8}{'vs l.cpp':>9}{'GB/s':>7}{'prefill':>9}{'tau':>6}  text")
+    print(f"{'config':<{w}}{'load s':>8}{'peak GiB':>10}{'tok/s':>8}{'vs base':>9}{'GB/s':>7}{'prefill':>9}"
+          f"{'tau':>6}{'drafts':>8}  text")
     for n in ok:
         r = results[n]
-        r["vs_llama_cpp"] = r["decode_tok_s"] / base if base else None
-        r["text_equals_plain"] = None if plain is None or n == "plain" else r["outputs"] == plain
+        r["vs_baseline"] = r["decode_tok_s"] / base if base else None
+        ref = "llama-server" if n.startswith("llama-server") else None if n == "llama.cpp" else "plain"
+        same = results.get(ref, {}).get("outputs") if ref and ref != n else None
+        r["text_equals_plain"] = None if same is None else r["outputs"] == same
+        tau = f"{r['accept_length']:>6.2f}" if "accept_length" in r else f"{'':>6}"
+        acc = f"{r['draft_acceptance']:>8.2f}" if "draft_acceptance" in r else f"{'':>8}"
         print(f"{n:<{w}}{r['load_s']:>8.1f}{r['peak_rss_gib']:>10.2f}{r['decode_tok_s']:>8.1f}"
-              f"{(r['vs_llama_cpp'] or 0):>9.2f}{r['gb_s']:>7.1f}{r.get('prefill_tok_s', 0):>9.1f}"
-              f"{r.get('accept_length', 1.0):>6.2f}  {r['text_equals_plain']}")
+              f"{(r['vs_baseline'] or 0):>9.2f}{r['gb_s']:>7.1f}{r.get('prefill_tok_s', 0):>9.1f}{tau}{acc}"
+              f"  {r['text_equals_plain']}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,20 @@
-"""`specserve bench serving`: load against any OpenAI-compatible server.
+"""`specserve bench serving`: load against any OpenAI-compatible server, or servers it starts itself.
 
-Streams /v1/chat/completions at a fixed concurrency or Poisson request rate and reports TTFT,
+Streams /v1/chat/completions at fixed concurrencies or a Poisson request rate and reports TTFT,
 TPOT, per-token ITL (a chunk of n tokens counts as n gaps; tokens per chunk come from streamed
 logprobs, which vLLM/SGLang/specserve all return) percentiles and throughput. Acceptance comes from
 the server's Prometheus counters (specserve:/vllm: spec_decode_*), scraped before and after.
+With --launch, each configuration's server is started on the same GGUF with the same threads (bench/launch.py:
+llama-server, llama-server+draft, llama-server+ngram, or a specserve configuration ALGO[+WINDOW][:flag=value...]),
+timed to ready, run at every concurrency, and stopped; greedy texts are compared with plain decoding's on the same
+engine (`plain`, `llama-server`).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import time
@@ -18,6 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .common import record, workloads
+from .launch import free_port, is_llama_server, launch, llama_server_argv, specserve_argv
 from .metrics import per_token_itl, percentiles, tpot
 
 
@@ -29,11 +35,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-field", default="prompt")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (ignored with --request-rate)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[4],
+                   help="requests in flight; several values: one run each (ignored with --request-rate)")
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="every request generates --max-new-tokens tokens")
     p.add_argument("--api-key", default=None)
     p.add_argument("--output", default=None)
+    g = p.add_argument_group("servers it starts (instead of --base-url)")
+    g.add_argument("--launch", nargs="+", default=None, metavar="CONFIG",
+                   help="llama-server, llama-server+draft, llama-server+ngram, plain, or ALGO[+WINDOW][:flag=value...]")
+    g.add_argument("--model-path", default=None, help="the GGUF every launched server loads")
+    g.add_argument("--speculative-draft-model-path", default=None, help="llama-server+draft's draft model (-md)")
+    g.add_argument("--num-threads", type=int, default=None, help="threads of every launched server (default: all)")
 
 
 _METRIC = re.compile(r"^(\w+:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens))(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
@@ -54,6 +68,7 @@ async def _one(client: Any, url: str, body: dict, headers: dict) -> dict[str, An
     start = time.perf_counter()
     times: list[float] = []
     counts: list[int] = []
+    text: list[str] = []
     error = None
     async with client.stream("POST", url, json=body, headers=headers, timeout=600) as resp:
         if resp.status_code != 200:
@@ -66,6 +81,7 @@ async def _one(client: Any, url: str, body: dict, headers: dict) -> dict[str, An
                 error = chunk["error"]
                 continue
             for ch in chunk.get("choices", []):
+                text.append(ch.get("delta", {}).get("content") or "")
                 lp = (ch.get("logprobs") or {}).get("content")
                 n = len(lp) if lp is not None else int(bool(ch.get("delta", {}).get("content")))
                 if n:
@@ -73,26 +89,30 @@ async def _one(client: Any, url: str, body: dict, headers: dict) -> dict[str, An
                     counts.append(n)
     end = time.perf_counter()
     n = sum(counts)
-    return {"error": error, "tokens": n, "e2e": end - start, "ttft": times[0] - start if times else None,
+    return {"error": error, "tokens": n, "text": "".join(text), "e2e": end - start,
+            "ttft": times[0] - start if times else None,
             "itl": per_token_itl(times, counts), "tpot": tpot(end - start, times[0] - start, n) if times else None}
 
 
-async def _run(a: argparse.Namespace) -> dict[str, Any]:
+async def _run(a: argparse.Namespace, base_url: str, concurrency: int) -> dict[str, Any]:
     import httpx
 
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     convs = [c for cs in workloads(a).values() for c in cs]
-    async with httpx.AsyncClient(base_url=a.base_url) as client:
+    # NOTE: a connection per request: llama-server (cpp-httplib) closes a kept-alive connection after a few
+    # requests, and a POST sent on it as it closes fails ("Server disconnected without sending a response")
+    async with httpx.AsyncClient(base_url=base_url, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         model = a.model or (await client.get("/v1/models", headers=headers)).json()["data"][0]["id"]
         before = parse_spec_metrics((await client.get("/metrics")).text)
-        sem = asyncio.Semaphore(a.concurrency if a.request_rate is None else len(convs))
+        sem = asyncio.Semaphore(concurrency if a.request_rate is None else len(convs))
         bar = tqdm(total=len(convs), desc="requests", leave=False)
 
         async def go(conv: list[dict], delay: float) -> dict[str, Any]:
             await asyncio.sleep(delay)
             async with sem:
                 body = {"model": model, "messages": conv, "max_tokens": a.max_new_tokens, "temperature": a.temperature,
-                        "stream": True, "logprobs": True, "top_logprobs": 0}
+                        "stream": True, "logprobs": True, "top_logprobs": 0, **({"ignore_eos": True} if a.ignore_eos
+                                                                               else {})}
                 r = await _one(client, "/v1/chat/completions", body, headers)
                 bar.update()
                 return r
@@ -116,17 +136,73 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
         "tpot_s": percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
         "itl_s": percentiles([x for r in ok for x in r["itl"]]),
         "accept_length": 1 + acc / drafts if drafts else None,
+        "texts": [r.get("text") for r in res],
+        "errors": sorted({str(r["error"]) for r in res if r.get("error")}),
     }
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
-    r = asyncio.run(_run(a))
-    mode = f"rate {a.request_rate}/s" if a.request_rate else f"concurrency {a.concurrency}"
+def _report(r: dict[str, Any], mode: str) -> None:
     print(f"\n{r['requests']} requests ({r['failed']} failed), {mode}, {r['wall_s']:.1f} s: "
           f"{r['output_tok_s']:.1f} output tok/s, {r['request_s']:.2f} req/s, accept length "
           f"{r['accept_length'] if r['accept_length'] is None else round(r['accept_length'], 3)}")
+    for e in r["errors"][:3]:
+        print(f"  error: {e[:300]}")
     for k in ("ttft_s", "tpot_s", "itl_s"):
         print(f"  {k[:-2].upper():5s} ms  " + "  ".join(f"{p} {v * 1000:7.1f}" for p, v in r[k].items()))
+
+
+def _load(a: argparse.Namespace, base_url: str) -> dict[str, Any]:
+    """Every --concurrency (or the request rate) against one server: result per mode."""
+    out = {}
+    for c in ([None] if a.request_rate else a.concurrency):
+        mode = f"rate {a.request_rate}/s" if c is None else f"concurrency {c}"
+        out[mode] = asyncio.run(_run(a, base_url, c or 0))
+        _report(out[mode], mode)
+    return out
+
+
+def _launched(a: argparse.Namespace) -> dict[str, Any]:
+    """--launch: each configuration's server started, timed to ready, loaded at every concurrency, stopped."""
+    from .common import config_flags
+
+    if not a.model_path:
+        raise ValueError("--launch needs --model-path (the GGUF every server loads)")
+    threads = a.num_threads or os.cpu_count() or 1
+    batch = max([1] if a.request_rate else a.concurrency)
+    results: dict[str, Any] = {}
+    for name in a.launch:
+        port = free_port()
+        argv = (llama_server_argv(name, a.model_path, port, threads, a.speculative_draft_model_path, parallel=batch)
+                if is_llama_server(name) else specserve_argv(a.model_path, port, threads, config_flags(name, "--launch")))
+        print(f"== {name}: {' '.join(argv)}")
+        with launch(argv, port, env=dict(os.environ, OMP_NUM_THREADS=str(threads))) as srv:
+            results[name] = {"ready_s": srv.ready_s, "argv": argv, "runs": _load(a, srv.url),
+                             "peak_rss_gib": srv.peak_rss_gib()}
+    for name, r in results.items():  # greedy texts against plain decoding on the same engine
+        ref = results.get("llama-server" if is_llama_server(name) else "plain")
+        if ref is not None and ref is not r and a.temperature == 0:
+            for mode, run in r["runs"].items():
+                run["text_equals_plain"] = run["texts"] == ref["runs"][mode]["texts"]
+    _summarize(results)
+    return results
+
+
+def _summarize(results: dict[str, Any]) -> None:
+    base = results.get("llama-server", {}).get("runs", {})
+    modes = list(next(iter(results.values()))["runs"])
+    print(f"\n{'config':<28}{'ready s':>8}{'GiB':>6}" + "".join(f"{m:>22}" for m in modes))
+    for name, r in results.items():
+        cells = []
+        for m in modes:
+            run, b = r["runs"][m], base.get(m)
+            ratio = f" {run['output_tok_s'] / b['output_tok_s']:.2f}x" if b and b["output_tok_s"] else ""
+            same = {True: " =", False: " !=", None: ""}[run.get("text_equals_plain")]
+            cells.append(f"{run['output_tok_s']:.1f} tok/s{ratio}{same}")
+        print(f"{name:<28}{r['ready_s']:>8.1f}{r['peak_rss_gib']:>6.2f}" + "".join(f"{c:>22}" for c in cells))
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    r = _launched(a) if a.launch else _load(a, a.base_url)
     path = record("serving", a, r)
     print(f"wrote {path}")
     return r

@@ -9,7 +9,7 @@ from ..config import EngineConfig
 from ..core import DraftPlan, Proposal, Request
 from ..models import fused
 from .acceptance import accept_curves, pooled_acceptance
-from .curve import CostModel
+from .curve import Calibration, CostModel
 from .gate import DraftGate
 from .policy import StepStats, WindowPolicy, register_policy
 from .windows import DraftCost, cost_windows, draft_time
@@ -58,11 +58,14 @@ class CostPolicy(WindowPolicy):
         self.draft_predicted = 0.0  # the model drafter's curve time for the windows planned this step
         self.empty_plans: dict[int, int] = {}  # batch size → plans in a row that drafted nothing
         self.skip: dict[int, int] = {}  # batch size → steps left that skip planning
+        self.calibrations: list[Calibration] = []  # the curves' measurements left for idle time
         if runner is not None and drafter is not None:
-            self.cost_model = CostModel.cached(runner, self._key(runner))
+            self.cost_model, cal = CostModel.load(runner, self._key(runner))
+            self.calibrations.append(cal)
             draft_runner = getattr(drafter, "runner", None)  # model drafters draft position by position
             if draft_runner is not None:
-                self.draft_cost_model = CostModel.cached(draft_runner, "draft-" + self._key(draft_runner))
+                self.draft_cost_model, cal = CostModel.load(draft_runner, "draft-" + self._key(draft_runner))
+                self.calibrations.append(cal)
             self.whole = drafter.drafts_whole_window
             self.drafter = drafter
 
@@ -73,6 +76,11 @@ class CostPolicy(WindowPolicy):
         kern = f"-k{kernels.source_digest()[:8]}" if fused.enabled() else ""
         kvd = f"-kv{runner.kv.dtype}" if runner.kv.dtype != m.dtype else ""  # a bf16 pool: faster at long contexts
         return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}{kvd}{tp}{kern}")
+
+    def calibrate(self) -> bool:
+        while self.calibrations and not self.calibrations[0].step():
+            self.calibrations.pop(0)
+        return bool(self.calibrations)
 
     def idle(self, batch: int) -> bool:
         left = self.skip.get(batch, 0)

@@ -77,66 +77,100 @@ class CostModel:
         return CostModel(h)
 
     @staticmethod
-    def measure(runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = 5, ctx: int = 128) -> "CostModel":  # noqa: ANN001
-        """Time forwards of n new tokens over a `ctx`-token context: the median of `repeats` after a warm-up,
-        size by size in ascending order. NOTE: not interleaved: a small forward timed right after a large one
-        measured 1.5 ms slower than a decode step really costs (SmolLM2 w4a8, Xeon: the large ones use AMX).
-        A forward over more tokens never costs less, so a size measured above a larger one is lowered to it."""
-        kv = runner.kv
-        med: dict[int, float] = {}
-        for n in sizes:
-            pt: list[int] = []
-            try:
-                kv.ensure(pt, ctx + n)
-            except Exception:  # noqa: BLE001 - pool too small for this size: stop measuring
-                kv.release(pt)
-                break
-            times = []
-            for _ in range(repeats + 1):  # the first run warms up
-                t = time.perf_counter()
-                runner.forward([pt], [ctx], [[0] * n], [list(range(n))])
-                times.append(time.perf_counter() - t)
+    def time_size(runner, n: int, repeats: int = 5, ctx: int = 128) -> float | None:  # noqa: ANN001
+        """Seconds of a forward of n new tokens over a `ctx`-token context: the median of `repeats` after a
+        warm-up; None when the pool cannot hold it."""
+        kv, pt = runner.kv, []
+        try:
+            kv.ensure(pt, ctx + n)
+        except Exception:  # noqa: BLE001 - pool too small for this size
             kv.release(pt)
-            med[n] = sorted(times[1:])[len(times[1:]) // 2]
-        pts, low = [], float("inf")
-        for n in sorted(med, reverse=True):  # running minimum from the largest size down
-            low = min(low, med[n])
-            pts.append((n, low))
-        pts.reverse()
-        return CostModel(pts if len(pts) > 1 else pts + [(pts[0][0] + 1, pts[0][1])])
+            return None
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            t = time.perf_counter()
+            runner.forward([pt], [ctx], [[0] * n], [list(range(n))])
+            times.append(time.perf_counter() - t)
+        kv.release(pt)
+        return sorted(times[1:])[len(times[1:]) // 2]
 
     @classmethod
-    def cached(cls, runner, key: str, cache_dir: Path | None = None) -> "CostModel":  # noqa: ANN001
-        """Measured once per model/dtype/threads on this machine and cached as JSON."""
+    def from_times(cls, times: dict[int, float]) -> "CostModel":
+        """The curve through measured times. A forward over more tokens never costs less, so a size measured
+        above a larger one is lowered to it."""
+        pts, low = [], float("inf")
+        for n in sorted(times, reverse=True):  # running minimum from the largest size down
+            low = min(low, times[n])
+            pts.append((n, low))
+        pts.reverse()
+        return cls(pts if len(pts) > 1 else pts + [(pts[0][0] + 1, pts[0][1])])
+
+    @classmethod
+    def measure(cls, runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = 5) -> "CostModel":  # noqa: ANN001
+        """Every size in ascending order, up to the first the pool cannot hold. NOTE: not interleaved: a small
+        forward timed right after a large one measured 1.5 ms slower than a decode step really costs (SmolLM2
+        w4a8, Xeon: the large ones use AMX)."""
+        times: dict[int, float] = {}
+        for n in sizes:
+            t = cls.time_size(runner, n, repeats)
+            if t is None:
+                break
+            times[n] = t
+        return cls.from_times(times)
+
+    @classmethod
+    def load(cls, runner, key: str, cache_dir: Path | None = None) -> tuple["CostModel", "Calibration"]:  # noqa: ANN001
+        """The curve cached for model/dtype/threads on this machine, and what is left to measure. NOTE: nothing is
+        timed on the way to ready but the two-point curve of a first start: the cached curve's check and a full
+        measurement run as a Calibration, piece by piece while the engine idles (engine.idle_work)."""
         cache_dir = cache_dir or Path.home() / ".cache" / "specserve" / "cost"
         # NOTE: the measuring method's version in the name: curves cached by an older method are not reused
         path = cache_dir / f"{key}-t{torch.get_num_threads()}-curve{CURVE_VERSION}.json"
         if path.exists():
-            cached = cls([tuple(p) for p in json.loads(path.read_text())])
-            # NOTE: a curve measured while something else loaded the machine (or before the VM changed speed)
-            # is wrong for as long as it is cached (too dear at one size, it verifies those windows far less often
-            # than they pay). A decode step and a batch-1 verify of 4 drafts are timed at every start (~70 ms);
-            # either off by > STALE, the curve is re-measured.
-            now = cls.measure(runner, sizes=PROBE_SIZES)
-            if all(abs(now(n) - cached(n)) <= STALE * cached(n) for n in PROBE_SIZES):
-                return cached
-        model = cls.measure(runner)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(model.points))
-        return model
+            model = cls([tuple(p) for p in json.loads(path.read_text())])
+            return model, Calibration(runner, model, path, list(PROBE_SIZES), probing=True)
+        model = cls.measure(runner, sizes=PROBE_SIZES, repeats=2)  # a first guess until the full curve is measured
+        return model, Calibration(runner, model, path, list(COST_SIZES), probing=False)
 
 
+@dataclass
+class Calibration:
+    """A curve's measurement in pieces of one size each (`step`, while the engine idles), replacing `model`'s
+    points when done and cached at `path`.
+    probing: timing PROBE_SIZES to check a cached curve. NOTE: a curve measured while something else loaded the
+    machine (or before the VM changed speed) is wrong for as long as it is cached (too dear at one size, it
+    verifies those windows far less often than they pay): either probe off by > STALE, the full curve is
+    measured again.
+    """
 
+    runner: object
+    model: CostModel
+    path: Path
+    sizes: list[int]
+    probing: bool
+    times: dict[int, float] = field(default_factory=dict)
 
-
-
-
-
-
-
-
-
-
-
-
-
+    def step(self) -> bool:
+        """Measure the next size; True while sizes remain."""
+        if not self.sizes:
+            return False
+        n = self.sizes.pop(0)
+        t = CostModel.time_size(self.runner, n)
+        if t is None:  # the pool cannot hold this size (nor a larger one)
+            self.sizes.clear()
+        else:
+            self.times[n] = t
+        if self.sizes:
+            return True
+        if self.probing:
+            if all(n in self.times and abs(self.times[n] - self.model(n)) <= STALE * self.model(n)
+                   for n in PROBE_SIZES):
+                return False
+            self.probing, self.sizes, self.times = False, list(COST_SIZES), {}
+            return True
+        if self.times:
+            self.model.points = CostModel.from_times(self.times).points
+            self.model.__dict__.pop("hull", None)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.model.points))
+        return False

@@ -8,6 +8,7 @@ The draft stage (speculative/draft.py) calls one per engine around the drafter:
   observe(stats)                      after the step (measured time, drafting requests, tokens)
   draft_pays(batch, k) → bool         whether a draft model's own forwards pay at this batch size
   release(request_id)                 forget a finished request
+  calibrate() → bool                  one piece of measurement while the engine idles; True while more is left
 and reads `floor` (cumulative confidence below which drafting may stop) and `trials` (acceptance per draft
 source, which the commit stage records).
 `fixed`: every request verifies K (bounded by its limits).
@@ -88,6 +89,10 @@ class WindowPolicy(ABC):
     def release(self, request_id: str) -> None:
         """Forget a finished request's state."""
         self.trials.release(request_id)
+
+    def calibrate(self) -> bool:
+        """One piece of measurement (a few forwards) while no request runs; True while more is left."""
+        return False
 
 
 _POLICIES: dict[str, type[WindowPolicy]] = {}

@@ -16,6 +16,7 @@ import torch
 
 from ..cache.budget import KVBudget
 from ..config import EngineConfig
+from ..loading.checkpoint import Checkpoint
 from ..models import LlamaModel, resolve_dtype
 from ..models.config import ModelConfig
 
@@ -26,8 +27,12 @@ log = logging.getLogger("specserve")
 MAX_VOCAB_PAD = 128
 
 
-
-
+def draft_dtype(config: EngineConfig, default: torch.dtype, quantized: bool = True) -> torch.dtype:
+    """--speculative-draft-dtype, or `default` when it is not given (`auto` follows --quantization
+    only for draft models that are quantized like the target)."""
+    if config.speculative_draft_dtype is None:
+        return default
+    return resolve_dtype(config.speculative_draft_dtype, config.quantization if quantized else None)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class DrafterContext:
     #: cumulative draft confidence below which a drafter may stop drafting a request (the window
     #: policy would not verify those positions anyway); 0 = draft the whole window
     floor: float = 0.0
+    #: the draft model's checkpoint (--speculative-draft-model-path), opened once by the engine's memory check
+    draft_checkpoint: Checkpoint | None = None
 
     @property
     def target_cfg(self) -> ModelConfig:
@@ -65,12 +72,7 @@ class DrafterContext:
         return bool(self.config.value("speculative_greedy_draft"))
 
     def draft_dtype(self, default: torch.dtype, quantized: bool = True) -> torch.dtype:
-        """--speculative-draft-dtype, or `default` when it is not given (`auto` follows --quantization
-        only for draft models that are quantized like the target)."""
-        c = self.config
-        if c.speculative_draft_dtype is None:
-            return default
-        return resolve_dtype(c.speculative_draft_dtype, c.quantization if quantized else None)
+        return draft_dtype(self.config, default, quantized)
 
     def shared_vocab(self, draft_tok, draft_cfg: ModelConfig) -> int:  # noqa: ANN001
         """How many leading token ids target and draft model share: a draft model must have the target's

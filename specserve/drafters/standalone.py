@@ -26,7 +26,8 @@ from ..runtime.runner import ModelRunner
 from ..runtime.sampling import expected_q, grammar_allowed, sample, target_logits
 from ..models.forward_batch import RowStates, StateBatch
 from .base import Capabilities, Drafter, register_drafter
-from .context import DrafterContext
+from ..config import EngineConfig
+from .context import DrafterContext, draft_dtype
 from .prefix import DraftPrefix
 
 if TYPE_CHECKING:
@@ -230,6 +231,16 @@ def build_draft_runner(ctx: DrafterContext, model: "LlamaModel") -> ModelRunner:
     return ModelRunner(model, ctx.kv_budget.draft_pool(cfg, model.dtype), states)
 
 
+def draft_load_mode(config: EngineConfig, target_dtype: torch.dtype) -> tuple[torch.dtype, str | None]:
+    """The draft model's dtype and quantization mode: quantized like the target when its dtype is the one the
+    quantization mode runs in."""
+    from ..models import resolve_dtype
+
+    dtype = draft_dtype(config, target_dtype)
+    q = config.quantization
+    return dtype, q if q and dtype == resolve_dtype("auto", q) else None
+
+
 def load_draft_model(ctx: DrafterContext) -> "LlamaModel":
     """The draft model of --speculative-draft-model-path, checked before any weight is read: the same
     tokenizer as the target's (up to a few trailing padding ids: `shared_vocab`), and not bigger than it. Quantized like the target when its dtype is the one the
@@ -237,19 +248,17 @@ def load_draft_model(ctx: DrafterContext) -> "LlamaModel":
     for the tokenizer, if any)."""
     from ..loading.checkpoint import open_checkpoint
     from ..loading.pipeline import build_model
-    from ..models import resolve_dtype
     from .draft_vocab import resolve_draft_vocab
 
     c = ctx.config
     path = c.speculative_draft_model_path
-    ckpt = open_checkpoint(path)
+    ckpt = ctx.draft_checkpoint or open_checkpoint(path)
     cfg, tok = ckpt.cfg, ckpt.tokenizer
     shared = ctx.shared_vocab(tok, cfg)
     if cfg.num_params > ctx.target.cfg.num_params:
         raise ValueError(f"--speculative-draft-model-path {path}: the draft ({cfg.num_params / 1e9:.3f}B parameters) "
                          f"is bigger than the target ({ctx.target.cfg.num_params / 1e9:.3f}B); it cannot pay")
-    dtype = ctx.draft_dtype(ctx.target.dtype)
-    quant = c.quantization if c.quantization and dtype == resolve_dtype("auto", c.quantization) else None
+    dtype, quant = draft_load_mode(c, ctx.target.dtype)
     ids = resolve_draft_vocab(c.speculative_draft_vocab or "auto", tok, cfg.vocab_size)
     rows = None if ids is None else torch.from_numpy(ids)
     if shared < cfg.vocab_size or cfg.vocab_size != ctx.target_cfg.vocab_size:

@@ -12,10 +12,12 @@ from ..cache.budget import KVBudget
 from ..cache.kv_pool import KVPool, parse_memory
 from ..config import EngineConfig
 from ..cost.policy import make_policy, policies
-from ..drafters.base import create_drafter
+from ..drafters.artifact import is_drafter_artifact
+from ..drafters.base import capabilities, create_drafter
 from ..drafters.context import DrafterContext
 from ..loading.checkpoint import open_checkpoint
-from ..loading.pipeline import build_model, default_quantization
+from ..drafters.standalone import draft_load_mode
+from ..loading.pipeline import build_model, default_quantization, resident_bytes
 from ..models import LlamaModel, resolve_dtype, resolve_kv_dtype
 from ..parallel import start_tensor_parallel
 from ..runtime.runner import ModelRunner
@@ -29,11 +31,18 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None, tokenize
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     # NOTE: made concrete first: the drafter, the cost curve's cache key and meta read config.quantization
+    draft_ckpt = None
     if model is None:
         ckpt = open_checkpoint(config.model)
         config = replace(config, quantization=default_quantization(ckpt, config.dtype, config.quantization))
-        model, tokenizer = build_model(ckpt, resolve_dtype(config.dtype, config.quantization), config.quantization,
-                                       parse_memory(config.kv_cache_memory))
+        dtype = resolve_dtype(config.dtype, config.quantization)
+        # NOTE: one memory check before anything loads: target + draft model + KV pools (target's and draft's)
+        reserve = {"draft model": 0, "KV cache": parse_memory(config.kv_cache_memory)}
+        algo, path = config.speculative_algorithm, config.speculative_draft_model_path
+        if algo and path and capabilities(algo).draft_model and not is_drafter_artifact(path):  # a draft model
+            draft_ckpt = open_checkpoint(path)
+            reserve["draft model"] = resident_bytes(draft_ckpt, *draft_load_mode(config, dtype))
+        model, tokenizer = build_model(ckpt, dtype, config.quantization, reserve)
     elif config.quantization == "none":
         config = replace(config, quantization=None)
     mcfg = model.cfg
@@ -49,7 +58,7 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None, tokenize
     if settings:  # NOTE: the drafter reserves its pool before the target's is sized
         floor = policies()[window].floor_for(config)
         drafter = create_drafter(config.speculative_algorithm,
-                                 DrafterContext(config, model, tokenizer, budget, settings, floor))
+                                 DrafterContext(config, model, tokenizer, budget, settings, floor, draft_ckpt))
     tp = start_tensor_parallel(config, mcfg) if config.tp_size > 1 else None
     # NOTE: under TP each rank's pool holds its KV heads only; rank 0's shard is the largest
     pages = KVPool.pages_for_budget(tp.model.cfg if tp else mcfg, budget.remaining, config.page_size, kv_dtype)

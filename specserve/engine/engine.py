@@ -130,6 +130,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def idle_work(self) -> bool:
+        """One piece of the work left for idle time (the cost policy's curve measurement: a few forwards, at most
+        ~1 s on a 7B); True while more is left. NOTE: called only while no request runs: its forwards use the
+        threads and a few pages of the pool."""
+        return self.policy.calibrate()
+
     # ---- the step ----
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced tokens or finished in it."""

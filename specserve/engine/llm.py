@@ -44,6 +44,8 @@ class LLM:
 
     def _attach(self, config: EngineConfig, model: Any, tokenizer: Any) -> None:
         self.engine = build_engine(config, model, tokenizer)
+        while self.engine.idle_work():  # offline, ready means measured (a server measures while it idles)
+            pass
         self.config = self.engine.config  # AUTO resolved to the drafter actually used
         self.tokenizer = self.engine.tokenizer
 

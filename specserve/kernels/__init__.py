@@ -2,15 +2,17 @@
 
 Every `csrc/*.cpp` file is compiled into one extension (`torch.utils.cpp_extension.load`); each file
 registers its ops with `TORCH_LIBRARY_FRAGMENT(specserve, m)`, so kernels are added one file at a
-time. The build is cached under ~/.cache/specserve/kernels/<hash of the sources and flags>;
-`scripts/setup.sh` builds it once (`python -m specserve.kernels`), and `load()` builds on first
-use if that was skipped. NOTE: kernels pick their instruction set at run time (CPUID), never at
-compile time, so a cached build stays valid when the VM's CPU kind changes.
+time. The build is cached in the Python environment (<venv>/specserve-kernels/<hash of the sources, flags,
+torch version and checkout path>), so the one `scripts/setup.sh` makes (`python -m specserve.kernels`) serves
+every later process of that environment, whatever its HOME or user; `load()` builds on first use if that was
+skipped. NOTE: kernels pick their instruction set at run time (CPUID), never at compile time, so a cached build
+stays valid when the VM's CPU kind changes.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -37,10 +39,21 @@ def build_dir() -> Path:
     # NOTE: the checkout's path too: two checkouts with equal sources must not share a build (its
     # build.ninja names their paths: each would rebuild the other's, and a killed build leaves a lock)
     h.update(" ".join(CFLAGS).encode() + torch.__version__.encode() + str(CSRC.resolve()).encode())
-    root = Path(os.environ.get("SPECSERVE_KERNEL_CACHE", Path.home() / ".cache" / "specserve" / "kernels"))
-    d = root / h.hexdigest()[:16]
+    d = cache_root() / h.hexdigest()[:16]
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def cache_root() -> Path:
+    """SPECSERVE_KERNEL_CACHE; else the environment's own folder (sys.prefix: a build made by setup is found by
+    every later process, also one started with another HOME); else, where the environment is not writable (a
+    system Python), ~/.cache/specserve/kernels."""
+    if "SPECSERVE_KERNEL_CACHE" in os.environ:
+        return Path(os.environ["SPECSERVE_KERNEL_CACHE"])
+    env = Path(sys.prefix) / "specserve-kernels"
+    if os.access(env if env.exists() else sys.prefix, os.W_OK):
+        return env
+    return Path.home() / ".cache" / "specserve" / "kernels"
 
 
 def load(verbose: bool = False) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..memory import check_memory, peak_rss_bytes
+from ..memory import peak_rss_bytes
 from ..models.embedding import GGUFEmbedding
 from ..formats.gguf_blocks import NATIVE
 from ..formats.transcode import TRANSCODED, transcode
@@ -27,7 +27,7 @@ from ..models.config import ModelConfig
 from ..formats.gguf_repack import RawBlocks
 from ..models.llama import LlamaModel
 from .checkpoint import Checkpoint
-from ..formats.quant import check_quantizable, packed_nbytes, quantize_model
+from ..formats.quant import packed_nbytes, quantize_model
 from ..models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -113,16 +113,13 @@ def resident_estimate(reader: Any) -> int:
     return total
 
 
-def load_quantized_gguf(ckpt: Checkpoint, mode: str, dtype: torch.dtype, reserve_bytes: int = 0,
+def load_quantized_gguf(ckpt: Checkpoint, mode: str, dtype: torch.dtype,
                         head_rows: torch.Tensor | None = None) -> LlamaModel:
-    """The model with packed projections and a block-stored embedding, for `--quantization mode`.
-    `reserve_bytes`: memory the caller will allocate next (the KV pools), counted in the check.
-    `head_rows`: keep only these rows of the LM head (a draft model's reduced vocabulary)."""
+    """The model with packed projections and a block-stored embedding, for `--quantization mode` (checked to
+    fit by the caller, loading/pipeline.py). `head_rows`: keep only these rows of the LM head (a draft model's
+    reduced vocabulary)."""
     t0 = time.perf_counter()
     path, reader, cfg = ckpt.path, ckpt.reader, ckpt.cfg
-    check_quantizable(cfg, mode)
-    check_memory(resident_estimate(reader) + reserve_bytes,
-                 f"{path.name} ({mode}) with {reserve_bytes / 2**30:.2f} GiB of KV cache")
     tensors = GGUFTensors(reader, cfg)
     # NOTE: parameters are torch.empty: their pages are never touched for the matrices swapped out below
     model = model_class(cfg.architecture)(cfg, dtype)

@@ -32,23 +32,35 @@ def default_quantization(ckpt: Checkpoint, dtype: str, quantization: str | None)
     return "w4a8" if kinds & NARROW else "w8a8" if "Q8_0" in kinds else None
 
 
-def build_model(model: str | Checkpoint, dtype: torch.dtype, quantization: str | None = None, reserve_bytes: int = 0,
-                head_rows: torch.Tensor | None = None) -> tuple[LlamaModel, Tokenizer]:
+def resident_bytes(ckpt: Checkpoint, dtype: torch.dtype, quantization: str | None) -> int:
+    """Memory a load of `ckpt` holds at its peak: a quantized GGUF streams into its packed size; any other path
+    holds the whole model in `dtype` before packing."""
+    if quantization and ckpt.is_gguf:
+        from .gguf_stream import resident_estimate
+
+        return resident_estimate(ckpt.reader)
+    return ckpt.cfg.num_params * torch.finfo(dtype).bits // 8
+
+
+def build_model(model: str | Checkpoint, dtype: torch.dtype, quantization: str | None = None,
+                reserve: dict[str, int] | None = None, head_rows: torch.Tensor | None = None
+                ) -> tuple[LlamaModel, Tokenizer]:
     """Load a checkpoint (an opened one, or an HF dir, a .gguf or an alias) into our model class; returns
-    (model, tokenizer). Every path is first checked to fit in available memory with `reserve_bytes` (the KV
-    pools to come). `head_rows`: sorted vocab ids the LM head keeps (a draft model's reduced vocabulary)."""
+    (model, tokenizer). Every path is first checked to fit in available memory with `reserve` (what the caller
+    allocates next, by name: the KV cache, a draft model). `head_rows`: sorted vocab ids the LM head keeps (a
+    draft model's reduced vocabulary)."""
     ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
+    reserve = {k: v for k, v in (reserve or {}).items() if v}
+    if quantization:
+        check_quantizable(ckpt.cfg, quantization)
+    how = quantization if quantization and ckpt.is_gguf else str(dtype).removeprefix("torch.")
+    also = " with " + " and ".join(f"{v / 2**30:.2f} GiB of {k}" for k, v in reserve.items()) if reserve else ""
+    check_memory(resident_bytes(ckpt, dtype, quantization) + sum(reserve.values()), f"{ckpt.path.name} ({how}){also}")
     if quantization and ckpt.is_gguf:
         from .gguf_stream import load_quantized_gguf
 
-        return load_quantized_gguf(ckpt, quantization, dtype, reserve_bytes, head_rows), ckpt.tokenizer
+        return load_quantized_gguf(ckpt, quantization, dtype, head_rows), ckpt.tokenizer
     blocks: dict | None = {} if quantization else None  # a GGUF's exact blocks, filled by read_weights
-    if quantization:
-        check_quantizable(ckpt.cfg, quantization)
-    # NOTE: this path holds the whole model in `dtype` before any packing
-    check_memory(ckpt.cfg.num_params * torch.finfo(dtype).bits // 8 + reserve_bytes,
-                 f"{ckpt.path.name} in {str(dtype).removeprefix('torch.')} with {reserve_bytes / 2**30:.2f} GiB "
-                 "of KV cache")
     cfg, state_dict = read_weights(ckpt, dtype, blocks)
     net = model_class(cfg.architecture)(cfg, dtype)
     net.load_weights(state_dict)

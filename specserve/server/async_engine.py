@@ -118,10 +118,20 @@ class AsyncEngine:
             self.state = "stopped"
 
     def _loop(self, eng: Any) -> None:
+        idle_work = True  # the engine has work for idle time (measuring its step costs): done between commands
         while not self._stopping:
-            self._drain(block=not eng.has_unfinished())
+            self._drain(block=not eng.has_unfinished() and not idle_work)
             if self._stopping:
                 break
+            if idle_work and not eng.has_unfinished():
+                try:
+                    idle_work = eng.idle_work()
+                except FatalEngineError:
+                    raise
+                except Exception:  # noqa: BLE001 - the measurement is an optimisation: serve without it
+                    log.exception("measuring step costs failed; serving on the curve at hand")
+                    idle_work = False
+                continue
             try:
                 touched = eng.step() if eng.has_unfinished() else []
                 if self.metrics:  # before publishing: a client that saw its answer sees the counters too

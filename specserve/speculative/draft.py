@@ -9,9 +9,11 @@ to what is verified. It owns the plan as the commit stage owns what is committed
 
 A draft model is turned off per request where the policy says its forwards do not pay (`draft_pays`):
 it neither prefills nor drafts for that request, whose source is then the drafter's cheapest (HYBRID: its free
-lookups). It is back on once drafting pays again at the batch size, for a request with at least as many
-tokens left to generate as the draft model must catch up on (its forward over the whole context: ~1/3 of the
-target's prefill on a 1.5B/0.5B pair, where a drafted token saves ~1/5 of a decode step).
+lookups). Nor is it on for a request with fewer tokens left to generate (max_tokens, within the context) than the
+draft model must read to draft for it (at admission its prompt; later its whole context: ~1/3 of the target's
+prefill on a 1.5B/0.5B pair, where a drafted token saves ~1/5 of a decode step): a long prompt asking for a short
+answer is not worth the draft's prefill. It is back on once drafting pays again at the batch size, for a
+request that passes that test.
 """
 from __future__ import annotations
 
@@ -73,6 +75,8 @@ class DraftStage:
             return
         if chunks and not self.policy.draft_pays(batch_ahead, self.num_draft_tokens):
             self.model_off.update(r.request_id for r, _, _ in chunks)
+        if getattr(self.drafter, "runner", None) is not None:  # a draft model (learned heads prefill for ~free)
+            self.model_off.update(r.request_id for r, _, _ in chunks if not self._catch_up_pays(r))
         items = [(c, x) for c, x in zip(chunks, feats) if c[0].request_id not in self.model_off]
         with_feats = bool(self.drafter.aux_layers)
         isolate(lambda it: self.drafter.prefill([c for c, _ in it], [x for _, x in it] if with_feats else None)
@@ -115,9 +119,14 @@ class DraftStage:
         plan.windows = self.policy.plan(reqs, plan)
         return plan
 
+    def _catch_up_pays(self, r: Request) -> bool:
+        """Whether r has at least as many tokens left to generate (max_tokens, within the context) as a draft model
+        must read to draft for it: its whole context (the prompt at admission)."""
+        context = len(r.prompt_ids) + len(r.output_ids)
+        return min(r.params.max_tokens - len(r.output_ids), self.max_model_len - context) >= context
+
     def _model_back(self, reqs: list[Request]) -> None:
-        back = [r.request_id for r in reqs
-                if r.request_id in self.model_off and r.params.max_tokens - len(r.output_ids) >= r.seq_len]
+        back = [r.request_id for r in reqs if r.request_id in self.model_off and self._catch_up_pays(r)]
         if back and self.policy.draft_pays(len(reqs), self.num_draft_tokens):
             self.model_off.difference_update(back)
 

@@ -33,52 +33,93 @@ def test_cost_curve_learns_the_real_step_times() -> None:
     assert curve(64) == 4.0
 
 
+def _calibrated(runner, cache_dir) -> CostModel:  # noqa: ANN001
+    """The curve after the engine's idle time measured all it had left."""
+    model, cal = CostModel.load(runner, "tiny", cache_dir=cache_dir)
+    while cal.step():
+        pass
+    return model
+
+
 def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     from specserve.cache.kv_pool import KVPool
     from specserve.runtime.runner import ModelRunner
 
     m = tiny_model("llama")
     runner = ModelRunner(m, KVPool(m.cfg, 32, 16, m.dtype))
-    first = CostModel.cached(runner, "tiny", cache_dir=tmp_path)
+    first = _calibrated(runner, tmp_path)
     assert len(first.points) >= 2 and all(t > 0 for _, t in first.points)
     assert runner.kv.allocator.num_free == runner.kv.allocator.num_pages  # measuring leaks no pages
-    t1 = first(1)
+    timed: list[int] = []
 
-    def check_only(runner, sizes=None, **k):  # noqa: ANN001, ANN202 - the start-up check times t(1) and t(5)
-        assert sizes == (1, 5), "measured twice"
-        return CostModel([(1, t1 * 1.2), (5, first(5) * 0.8)])  # both within STALE of the cached curve
+    def check_only(runner, n, repeats=5, ctx=128):  # noqa: ANN001, ANN202 - within STALE of the cached curve
+        timed.append(n)
+        return first(n) * (1.2 if n == 1 else 0.8)
 
-    monkeypatch.setattr(CostModel, "measure", staticmethod(check_only))
-    assert CostModel.cached(runner, "tiny", cache_dir=tmp_path).points == first.points
+    monkeypatch.setattr(CostModel, "time_size", staticmethod(check_only))
+    model, cal = CostModel.load(runner, "tiny", cache_dir=tmp_path)
+    assert model.points == first.points and timed == []  # nothing timed on the way to ready
+    while cal.step():
+        pass
+    assert timed == [1, 5] and model.points == first.points  # idle time probes t(1), t(5): kept
 
 
-def test_a_stale_cached_curve_is_measured_again(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """A cached curve whose t(1) or t(5) is far from a fresh timing (measured on a loaded machine) is replaced.
-    NOTE: the machine's timing is a fixed fake here, so a busy CI host cannot make the check fail."""
+def _fake_machine(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[tuple[int, float]]]:
+    """This machine: 1 ms + 0.1 ms/token. NOTE: a fixed fake, so a busy CI host cannot make a check fail."""
+    from specserve.cost import curve as cost_mod
+
+    timed: list[int] = []
+
+    def fake(runner, n, repeats=5, ctx=128):  # noqa: ANN001, ANN202
+        timed.append(n)
+        return 1e-3 + 1e-4 * n
+
+    monkeypatch.setattr(CostModel, "time_size", staticmethod(fake))
+    return timed, [(n, 1e-3 + 1e-4 * n) for n in cost_mod.COST_SIZES]
+
+
+def test_a_first_start_times_two_sizes_then_the_rest_while_idle(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     import json
 
     from specserve.cost import curve as cost_mod
 
-    calls: list[tuple[int, ...]] = []
-
-    def fake(runner, sizes=cost_mod.COST_SIZES, **k):  # noqa: ANN001, ANN202 - this machine: 1 ms + 0.1 ms/token
-        calls.append(tuple(sizes))
-        return CostModel([(n, 1e-3 + 1e-4 * n) for n in sizes])
-
-    monkeypatch.setattr(CostModel, "measure", staticmethod(fake))
-    true = fake(None).points
-    first = CostModel.cached(None, "tiny", cache_dir=tmp_path)
+    timed, true = _fake_machine(monkeypatch)
+    model, cal = CostModel.load(None, "tiny", cache_dir=tmp_path)
+    assert timed == list(cost_mod.PROBE_SIZES) and [n for n, _ in model.points] == list(cost_mod.PROBE_SIZES)
+    assert not list(tmp_path.glob("tiny-*.json"))  # a first guess is not cached
+    hull = model.hull
+    steps = 0
+    while cal.step():
+        steps += 1
+    assert steps == len(cost_mod.COST_SIZES) - 1  # one size per piece of idle time
+    assert model.points == true and model.hull is not hull  # the same object, now the full curve
     (path,) = tmp_path.glob("tiny-*.json")
-    assert first.points == true and json.loads(path.read_text()) == [list(p) for p in true]
+    assert json.loads(path.read_text()) == [list(p) for p in true]
+
+
+def test_a_stale_cached_curve_is_measured_again(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A cached curve whose t(1) or t(5) is far from a fresh timing (measured on a loaded machine) is replaced
+    once the idle time has measured it again."""
+    import json
+
+    from specserve.cost import curve as cost_mod
+
+    timed, true = _fake_machine(monkeypatch)
+    _calibrated(None, tmp_path)
+    (path,) = tmp_path.glob("tiny-*.json")
     for stale in ([[n, 40 * t] for n, t in true],                       # 40x too slow
                   [[n, t if n == 1 else 3 * t] for n, t in true]):      # right t(1), a verify of 4 drafts 3x too dear
         path.write_text(json.dumps(stale))
-        calls.clear()
-        assert CostModel.cached(None, "tiny", cache_dir=tmp_path).points == true
-        assert calls == [cost_mod.PROBE_SIZES, cost_mod.COST_SIZES]      # probed, then measured in full
+        timed.clear()
+        model, cal = CostModel.load(None, "tiny", cache_dir=tmp_path)
+        assert model.points == [tuple(p) for p in stale] and timed == []  # ready on the cached curve
+        while cal.step():
+            pass
+        assert model.points == true
+        assert timed == [*cost_mod.PROBE_SIZES, *cost_mod.COST_SIZES]  # probed, then measured in full
         assert json.loads(path.read_text()) == [list(p) for p in true]
-    calls.clear()                                                        # a fresh curve: probed only, kept
-    assert CostModel.cached(None, "tiny", cache_dir=tmp_path).points == true and calls == [cost_mod.PROBE_SIZES]
+    timed.clear()                                                        # a fresh curve: probed only, kept
+    assert _calibrated(None, tmp_path).points == true and timed == list(cost_mod.PROBE_SIZES)
 
 
 def test_cost_curve_ignores_a_stall_and_never_decreases(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,5 +158,29 @@ def test_cost_curve_is_dense_where_small_windows_fall(tmp_path) -> None:  # noqa
     runner = ModelRunner(m, KVPool(m.cfg, 32, 16, m.dtype))
     threads = __import__("torch").get_num_threads()
     (tmp_path / f"tiny-t{threads}.json").write_text("[[1, 1.0], [2, 2.0], [4, 4.0]]")  # an old sparse cache
-    pts = [n for n, _ in CostModel.cached(runner, "tiny", cache_dir=tmp_path).points]
+    pts = [n for n, _ in _calibrated(runner, tmp_path).points]
     assert tuple(pts) == COST_SIZES and pts[:17] == list(range(1, 18)) and pts[17:] == [24, 32, 48, 64]
+
+
+def test_an_engine_is_ready_before_it_times_a_cached_curve(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Building an engine times nothing once its curve is cached (a first start: two sizes); the rest is the
+    engine's idle work (a server does it between requests, the offline LLM before it returns)."""
+    from specserve.config import EngineConfig
+    from specserve.cost import curve as cost_mod
+    from specserve.engine.build import build_engine
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    timed, true = _fake_machine(monkeypatch)
+    m = tiny_model("llama")
+    cfg = EngineConfig.from_sources({"model": "tiny", "speculative_algorithm": "NGRAM", "speculative_window": "cost"})
+    eng = build_engine(cfg, m, None)
+    assert timed == list(cost_mod.PROBE_SIZES)
+    while eng.idle_work():
+        pass
+    assert eng.policy.cost_model.points == true
+    timed.clear()
+    eng = build_engine(cfg, m, None)
+    assert timed == [] and eng.policy.cost_model.points == true
+    while eng.idle_work():
+        pass
+    assert timed == list(cost_mod.PROBE_SIZES)

@@ -16,6 +16,7 @@ from specserve.cost.windows import DraftCost, cost_windows
 from specserve.cost.gate import DraftGate
 from specserve.cost.acceptance import accept_curves
 
+from tests.engine_helpers import fixed_curves
 from tests.tiny import reference_greedy, tiny_model
 
 
@@ -129,8 +130,7 @@ def test_cost_policy_is_lossless_and_adapts(monkeypatch: pytest.MonkeyPatch, alg
     # a fixed curve (extra verify tokens cost 10% of a step each) keeps the test independent of this
     # machine's timings; measuring and caching are tested below
     curve, draft = CostModel([(1, 1.0), (64, 7.3)]), CostModel([(1, 0.02), (64, 0.05)])
-    monkeypatch.setattr(CostModel, "cached", classmethod(
-        lambda cls, runner, key, cache_dir=None: draft if key.startswith("draft-") else curve))
+    fixed_curves(monkeypatch, curve, draft)
     # ...and so does opening the empirical gate (it compares real step times; tested on its own below)
     monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": "open")
     m = tiny_model("llama")

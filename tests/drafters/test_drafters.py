@@ -24,6 +24,7 @@ from specserve.models.llama import LlamaModel
 from specserve.train.data import FeatureCapture
 from specserve.cost.curve import CostModel
 from specserve.cost.gate import DraftGate
+from tests.engine_helpers import fixed_curves
 from tests.dist import engine_vs_exact_joint
 from tests.spec_helpers import drive
 from tests.tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
@@ -140,8 +141,8 @@ def test_sampled_drafts_match_target_distribution(tmp_path: Path, monkeypatch: p
     """Sampled drafts with the drafter's real q through the whole engine reproduce the exact joint
     (trees: deterministic top-k children walked by sample-and-match; window policies: any prefix)."""
     if opts.get("speculative_window") == "cost":  # a fixed machine-independent curve, and an open gate
-        monkeypatch.setattr(CostModel, "cached", classmethod(lambda cls, runner, key, cache_dir=None: CostModel(
-            [(1, 1.0), (64, 1.0 + 1e-6)])))  # verify tokens (nearly) free: every draft is worth verifying
+        fixed_curves(monkeypatch, CostModel([(1, 1.0), (64, 1.0 + 1e-6)]))  # verify tokens (nearly) free: every
+        # draft is worth verifying
         monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": "open")
     llm = random_drafter_llm(tmp_path, algo, rule, **opts)
     fit = engine_vs_exact_joint(llm, [1, 2], DIST_LEN, DIST_PARAMS, DIST_N)

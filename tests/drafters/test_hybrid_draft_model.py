@@ -12,6 +12,7 @@ import torch
 import specserve.drafters.hybrid as hybrid
 from specserve import LLM, SamplingParams
 
+from tests.engine_helpers import fixed_curves
 from tests.dist import engine_vs_exact_joint
 from tests.spec_helpers import assert_no_leak, check_stats, drive
 from tests.tiny import reference_greedy, save_tiny_hf_dir, target_and_draft_dirs, tiny_config, tiny_state_dict
@@ -109,8 +110,7 @@ def test_draft_model_skips_its_prefill_where_drafting_does_not_pay(dirs: dict[st
     from specserve.cost.gate import DraftGate
 
     curve, draft = CostModel([(1, 1.0), (2, 1.05), (3, 3.0), (64, 70.0)]), CostModel([(1, 0.01), (64, 0.02)])
-    monkeypatch.setattr(CostModel, "cached", classmethod(
-        lambda cls, runner, key, cache_dir=None: draft if key.startswith("draft-") else curve))
+    fixed_curves(monkeypatch, curve, draft)
     monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": "open")
     llm = LLM(dirs["target"], dtype="float64", speculative_algorithm="AUTO", speculative_draft_model_path=dirs["small"],
               speculative_num_draft_tokens=4, speculative_window="cost", page_size=4)
@@ -131,10 +131,11 @@ def test_draft_model_skips_its_prefill_where_drafting_does_not_pay(dirs: dict[st
     reqs = drive(llm, [(0, p, sp) for p in prompts[:4]])
     assert tokens == {"forward": 0, "drafted": 0}
     assert seen and all(off and s == "lookup" for _, off, s in seen)  # off: HYBRID's free lookups only
-    reqs += drive(llm, [(0, prompts[4], sp)])
+    alone = SamplingParams(temperature=0, max_tokens=16)  # >= its prompt: worth the draft model's prefill
+    reqs += drive(llm, [(0, prompts[4], alone)])
     assert tokens["forward"] >= len(prompts[4]) and tokens["drafted"] > 0
     for p, r in zip(prompts, reqs):
-        assert r.output_ids == reference_greedy(eng.model, p, sp.max_tokens)
+        assert r.output_ids == reference_greedy(eng.model, p, r.params.max_tokens)
     assert_no_leak(eng)
     # the draft model is back once the batch shrinks to where it pays, for a request with tokens enough left:
     # it catches up on the whole context, then drafts

@@ -40,7 +40,8 @@ def _llm(dirs: dict[str, str], draft: str, k: int, **kw) -> LLM:
 def test_standalone_greedy_equals_plain(dirs: dict[str, str], draft: str, k: int) -> None:
     llm = _llm(dirs, draft, k, page_size=4, max_prefill_tokens=9)
     g = torch.Generator().manual_seed(k)
-    prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (6,), generator=g)]
+    # prompts no longer than max_tokens: worth the draft model's prefill (speculative/draft.py)
+    prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in torch.randint(2, 25, (6,), generator=g)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     target = llm.engine.model
     for p, o in zip(prompts, outs):
@@ -256,3 +257,37 @@ def test_draft_prefix_cache_holds_only_committed_rows(dirs: dict[str, str]) -> N
         _assert_draft_kv_fresh(d, req)
         while eng.requests:
             eng.step()
+
+
+def test_one_memory_check_covers_target_draft_and_kv(dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked once before anything loads: room for the target and the KV pools, but not for the draft model too,
+    is refused naming all three (the target alone, then the draft alone, each fitted)."""
+    from specserve import memory
+    from specserve.loading.checkpoint import open_checkpoint
+    from specserve.loading.pipeline import resident_bytes
+
+    target, draft = (resident_bytes(open_checkpoint(dirs[n]), torch.float64, None) for n in ("target", "small"))
+    kv = 2**20
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: target + kv + draft // 2)
+    with pytest.raises(MemoryError, match=r"target \(float64\) with 0\.\d\d GiB of draft model and 0\.00 GiB of KV "
+                                          r"cache needs about"):
+        _llm(dirs, "small", 4, kv_cache_memory="1MiB")
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: target + kv + draft)
+    _llm(dirs, "small", 4, kv_cache_memory="1MiB")
+
+
+def test_draft_model_skips_a_long_prompt_with_a_short_answer(dirs: dict[str, str]) -> None:
+    """Admission prices the draft model's prefill against the output a request may still ask for: at batch 1,
+    a prompt longer than its max_tokens is neither prefilled nor drafted for by the draft model (its text is
+    plain decoding's), while one asking for as many tokens as its prompt is."""
+    llm = _llm(dirs, "self", 4)  # the draft is the target: every draft it makes is accepted
+    eng, target = llm.engine, llm.engine.model
+    long_prompt, short_prompt = list(range(3, 43)), [5, 6, 7]
+    for prompt, max_tokens, off in ((long_prompt, 8, True), (short_prompt, 8, False)):
+        req = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+        eng.step()  # the prefill
+        assert (req.request_id in eng.draft_stage.model_off) is off
+        while not req.finished:
+            eng.step()
+        assert req.output_ids == reference_greedy(target, prompt, max_tokens)
+        assert (req.spec_accepted_tokens == 0) is off

@@ -104,9 +104,9 @@ def test_memory_check_names_both_numbers(tmp_path: Path, monkeypatch: pytest.Mon
     _write_gguf(path, "llama", _tiny_tensors(260, bias=False), qtype="Q8_0")
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 2**20)
     with pytest.raises(MemoryError, match=r"needs about 1\.00 GiB but only 0\.00 GiB of memory is available"):
-        build_model(str(path), torch.float32, "w4a8", reserve_bytes=2**30)
-    with pytest.raises(MemoryError, match=r"m\.gguf in float32 with 1\.00 GiB of KV cache needs about 1\.00 GiB"):
-        build_model(str(path), torch.float32, None, reserve_bytes=2**30)  # the dense path is checked too
+        build_model(str(path), torch.float32, "w4a8", {"KV cache": 2**30})
+    with pytest.raises(MemoryError, match=r"m\.gguf \(float32\) with 1\.00 GiB of KV cache needs about 1\.00 GiB"):
+        build_model(str(path), torch.float32, None, {"KV cache": 2**30})  # the dense path is checked too
 
 
 @pytest.mark.parametrize("qtype,mode", [("Q5_0", "w4a8"), ("Q5_1", "w4a8"), ("Q4_0", "w4a8"), ("Q8_0", "w8a8"),

@@ -42,6 +42,11 @@ class CostPolicy(WindowPolicy):
     #: case is in docs/benchmarks.md, "The cost policy's constants"). The bound shrinks as
     #: 1/sqrt(positions tested), so a source that does not pay is soon planned on its mean
     OPTIMISM = 1.0
+    #: an explored source is forced to draft for at most this many requests of a step, in turn. NOTE: enough to
+    #: measure its cost per drafting request and its acceptance; forcing all of them made every request of a
+    #: large batch pay a learned drafter's catch-up over the rows it skipped (SmolLM2 + the shipped DSpark,
+    #: batch 16: each such step cost ~2 decode steps, ~5% of a 64-token run that drafted nothing)
+    EXPLORE_REQUESTS = 2
 
     def __init__(self, config: EngineConfig, runner: "ModelRunner | None" = None,
                  drafter: "Drafter | None" = None) -> None:
@@ -55,6 +60,7 @@ class CostPolicy(WindowPolicy):
         self.drafter: "Drafter | None" = None
         self.arm: str | None = None  # the costliest draft source planned this step (the gate's arm)
         self.forced: list[bool] = []  # requests whose source the gate explores this step
+        self.explore_turn = 0  # where the next explored step's forced requests start (_explored)
         self.draft_predicted = 0.0  # the model drafter's curve time for the windows planned this step
         self.empty_plans: dict[int, int] = {}  # batch size → plans in a row that drafted nothing
         self.skip: dict[int, int] = {}  # batch size → steps left that skip planning
@@ -91,7 +97,7 @@ class CostPolicy(WindowPolicy):
     def plan(self, reqs: list[Request], plan: DraftPlan) -> list[int]:
         sources, limits = plan.sources, plan.windows
         gate = {s: self.draft_gate.allow(len(reqs), s) for s in dict.fromkeys(sources)}
-        self.forced = [gate[s] == "explore" for s in sources]  # at least one draft: measure this source
+        self.forced = self._explored([gate[s] == "explore" for s in sources])  # at least one draft: measure it
         open_limits = [w if gate[s] != "closed" else 0 for w, s in zip(limits, sources)]
         windows, _ = cost_windows(reqs, open_limits, self.cost_model, self.draft_cost_model,
                                   self.draft_cost.cost(sources), trials=self.trials, optimism=self.OPTIMISM,
@@ -107,6 +113,16 @@ class CostPolicy(WindowPolicy):
         if self.empty_plans[b] >= self.IDLE_AFTER:  # NOTE: arm and draft_predicted stay None/0 while skipping
             self.skip[b] = self.IDLE_STEPS
         return windows
+
+    def _explored(self, explore: list[bool]) -> list[bool]:
+        """Of the requests whose source is explored, the EXPLORE_REQUESTS next in turn."""
+        idx = [i for i, e in enumerate(explore) if e]
+        if len(idx) <= self.EXPLORE_REQUESTS:
+            return explore
+        start = self.explore_turn % len(idx)
+        self.explore_turn += self.EXPLORE_REQUESTS
+        picked = {idx[(start + j) % len(idx)] for j in range(self.EXPLORE_REQUESTS)}
+        return [i in picked for i in range(len(explore))]
 
     def draft_pays(self, batch: int, k: int) -> bool:
         """The cost model's plan for `batch` requests like those seen so far (the source's pooled acceptance,

@@ -176,6 +176,28 @@ def test_cost_policy_drafts_at_least_one_position_of_an_explored_source(monkeypa
     assert pol.plan([a, b], plan)[1] > 1
 
 
+def test_an_explored_source_forces_a_few_requests_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exploring a source forces drafts for EXPLORE_REQUESTS requests of the batch, in turn, not for all of
+    them: a learned drafter that drafted nothing for a while catches up on every request it drafts for (the
+    rows it skipped), and a batch of 16 paying that at once cost ~2 decode steps per exploration."""
+    from specserve.cost.cost_policy import CostPolicy
+
+    pol = CostPolicy(EngineConfig(speculative_algorithm="DSPARK", speculative_window="cost"))
+    pol.cost_model, pol.draft_cost_model, pol.whole = CostModel([(1, 1.0), (64, 1.5)]), None, False
+    pol.trials = TRIALS
+    pol.drafter = type("D", (), {"sources": ("learned",)})()
+    pol.draft_cost.per_request = {"learned": 100.0}  # far too dear: only the exploration drafts
+    monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": "explore")
+    reqs = [_req(6, 10) for _ in range(16)]
+    seen = []
+    for _ in range(8):
+        windows = pol.plan(reqs, DraftPlan(["learned"] * 16, [4] * 16))
+        assert sum(1 for w in windows if w) == pol.EXPLORE_REQUESTS
+        seen += [i for i, w in enumerate(windows) if w]
+    assert sorted(seen) == list(range(16))  # every request in turn
+    assert sum(1 for w in pol.plan(reqs[:2], DraftPlan(["learned"] * 2, [4] * 2)) if w) == 2
+
+
 def test_cost_policy_idles_a_batch_size_whose_plans_draft_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """IDLE_AFTER plans in a row that draft nothing at one batch size make that size skip the next IDLE_STEPS
     plans (idle() is True, counted down per step); one plan that drafts resets the streak; other sizes plan."""

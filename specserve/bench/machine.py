@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,19 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return model, flags
 
 
+def stream_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """Best-of-N read bandwidth of a buffer far larger than the caches, with this process's threads."""
+    import torch
+
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 
@@ -46,4 +60,5 @@ def machine_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
+        "read_bandwidth_gbs": round(stream_bandwidth_gbs(), 1),  # measured as the run ends
     }

@@ -41,19 +41,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "whose real acceptance says nothing (a random-weight target). Runs plain first")
 
 
-def stream_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
-    """Best-of-N read bandwidth of a buffer far larger than the caches, with this process's threads."""
-    import torch
-
-    x = torch.ones(int(gib * 2**30) // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
-
-
 class _Peer:
     """One configuration's engine as `_child` drives it: load seconds, greedy generation of token ids, the
     weight bytes a decoded token streams, and its speculative counters (zeroed after the warm-up)."""
@@ -228,6 +215,7 @@ def run(a: argparse.Namespace) -> dict:
     from ..tokenizer.tokenizer import Tokenizer
     from .common import config_args, record, workloads
     from .launch import is_llama_server
+    from .machine import stream_bandwidth_gbs
 
     path = str(resolve_model_path(a.model or "smollm2-135m"))
     tok = Tokenizer.from_gguf(GGUFFile(path))

@@ -7,6 +7,8 @@ The draft stage (speculative/draft.py) calls one per engine around the drafter:
   cut(reqs, plan, proposal) → windows after drafting: the prefix of each proposal to verify
   observe(stats)                      after the step (measured time, drafting requests, tokens)
   draft_pays(batch, k) → bool         whether a draft model's own forwards pay at this batch size
+  prefill_pays(context, left) → bool  whether a draft model's forward over `context` tokens pays for a request
+                                      with `left` tokens still to generate
   release(request_id)                 forget a finished request
   calibrate() → bool                  one piece of measurement while the engine idles; True while more is left
 and reads `floor` (cumulative confidence below which drafting may stop) and `trials` (acceptance per draft
@@ -84,6 +86,11 @@ class WindowPolicy(ABC):
     def draft_pays(self, batch: int, k: int) -> bool:
         """Whether a draft model's forwards pay for requests in a `batch`-request decode (windows ≤ k). Default:
         always (nothing is turned off)."""
+        return True
+
+    def prefill_pays(self, context: int, left: int) -> bool:
+        """Whether a draft model's forward over a request's `context` tokens (its prefill, or its catch-up) pays
+        for the `left` tokens it may still generate. Default: always (the windows are the user's)."""
         return True
 
     def release(self, request_id: str) -> None:

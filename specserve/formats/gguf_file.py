@@ -20,6 +20,7 @@ import numpy as np
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
        10: np.uint64, 11: np.int64, 12: np.float64}
+_U64 = struct.Struct("<Q")
 _DENSE = {"F32": np.float32, "F16": np.float16, "F64": np.float64}  # others (BF16 too): raw bytes, as GGUFReader
 
 
@@ -66,7 +67,21 @@ class _Cursor:
             arr = np.frombuffer(self.buf, dtype=_NP[itype], count=count, offset=self.pos)
             self.pos += arr.nbytes
             return arr.tolist()
+        if itype == 8:  # a string array (a vocabulary, its merges: ~300k items): the loop kept tight
+            return self._strings(count)
         return [self.value(itype) for _ in range(count)]
+
+    def _strings(self, count: int) -> list[str]:
+        buf, pos, u64, out = self.buf, self.pos, _U64.unpack_from, []
+        for _ in range(count):
+            n = u64(buf, pos)[0]
+            pos += 8
+            out.append(str(buf[pos:pos + n], "utf-8", "replace"))
+            pos += n
+        if pos > len(buf):
+            raise IndexError("string array past the end of the file")
+        self.pos = pos
+        return out
 
 
 class GGUFFile:

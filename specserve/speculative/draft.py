@@ -9,11 +9,10 @@ to what is verified. It owns the plan as the commit stage owns what is committed
 
 A draft model is turned off per request where the policy says its forwards do not pay (`draft_pays`):
 it neither prefills nor drafts for that request, whose source is then the drafter's cheapest (HYBRID: its free
-lookups). Nor is it on for a request with fewer tokens left to generate (max_tokens, within the context) than the
-draft model must read to draft for it (at admission its prompt; later its whole context: ~1/3 of the target's
-prefill on a 1.5B/0.5B pair, where a drafted token saves ~1/5 of a decode step): a long prompt asking for a short
-answer is not worth the draft's prefill. It is back on once drafting pays again at the batch size, for a
-request that passes that test.
+lookups). Nor is it on for a request whose tokens left to generate (max_tokens, within the context) do not pay
+for the draft model's forward over its context, as the policy prices it (`prefill_pays`; `cost`: on the measured
+curves, so a long prompt asking for a short answer skips the draft's prefill). It is back on once drafting pays
+again at the batch size, for a request that passes that test.
 """
 from __future__ import annotations
 
@@ -120,10 +119,11 @@ class DraftStage:
         return plan
 
     def _catch_up_pays(self, r: Request) -> bool:
-        """Whether r has at least as many tokens left to generate (max_tokens, within the context) as a draft model
-        must read to draft for it: its whole context (the prompt at admission)."""
+        """Whether the policy prices a draft model's forward over r's whole context (its prompt at admission) as
+        paid for by the tokens r may still generate (max_tokens, within the context)."""
         context = len(r.prompt_ids) + len(r.output_ids)
-        return min(r.params.max_tokens - len(r.output_ids), self.max_model_len - context) >= context
+        return self.policy.prefill_pays(context, min(r.params.max_tokens - len(r.output_ids),
+                                                     self.max_model_len - context))
 
     def _model_back(self, reqs: list[Request]) -> None:
         back = [r.request_id for r in reqs if r.request_id in self.model_off and self._catch_up_pays(r)]

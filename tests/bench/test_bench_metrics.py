@@ -126,4 +126,5 @@ def test_machine_record_names_cpu_and_kernel_paths() -> None:
     assert set(info["cpu_flags"]) <= flags  # only flags this CPU really has
     assert ("avx512_vnni" in info["cpu_flags"]) == ("avx512_vnni" in flags)
     assert info["torch_threads"] >= 1 and set(info["torch_usable"]) >= {"vnni", "amx_tile"}
+    assert 0.1 < info["read_bandwidth_gbs"] < 10_000  # measured by the same run: ratios need their machine
     json.dumps(info)  # lands in every result JSON

@@ -8,6 +8,7 @@ import torch
 from specserve import LLM, SamplingParams
 
 from tests.dist import engine_vs_exact_joint
+from tests.engine_helpers import fixed_curves
 from tests.tiny import reference_greedy, save_tiny_hf_dir, tiny_config, tiny_state_dict
 
 
@@ -40,8 +41,7 @@ def _llm(dirs: dict[str, str], draft: str, k: int, **kw) -> LLM:
 def test_standalone_greedy_equals_plain(dirs: dict[str, str], draft: str, k: int) -> None:
     llm = _llm(dirs, draft, k, page_size=4, max_prefill_tokens=9)
     g = torch.Generator().manual_seed(k)
-    # prompts no longer than max_tokens: worth the draft model's prefill (speculative/draft.py)
-    prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in torch.randint(2, 25, (6,), generator=g)]
+    prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (6,), generator=g)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     target = llm.engine.model
     for p, o in zip(prompts, outs):
@@ -276,14 +276,21 @@ def test_one_memory_check_covers_target_draft_and_kv(dirs: dict[str, str], monke
     _llm(dirs, "small", 4, kv_cache_memory="1MiB")
 
 
-def test_draft_model_skips_a_long_prompt_with_a_short_answer(dirs: dict[str, str]) -> None:
-    """Admission prices the draft model's prefill against the output a request may still ask for: at batch 1,
-    a prompt longer than its max_tokens is neither prefilled nor drafted for by the draft model (its text is
-    plain decoding's), while one asking for as many tokens as its prompt is."""
-    llm = _llm(dirs, "self", 4)  # the draft is the target: every draft it makes is accepted
+def test_draft_model_skips_a_long_prompt_with_a_short_answer(dirs: dict[str, str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `cost`, admission prices the draft model's prefill against the output a request may still ask for:
+    at batch 1, a prompt whose prefill costs the draft more than its max_tokens can save is neither prefilled nor
+    drafted for by the draft model (its text is plain decoding's), while a short prompt is. Here a prompt token
+    costs the draft 0.05 of a target step and a generated token saves 0.2 of one: it pays from a quarter."""
+    from specserve.cost.curve import CostModel
+    from specserve.cost.gate import DraftGate
+
+    fixed_curves(monkeypatch, CostModel([(1, 1.0), (64, 1.5)]), CostModel([(1, 0.05), (64, 3.2)]))
+    monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": "open")
+    llm = _llm(dirs, "self", 4, speculative_window="cost")  # the draft is the target: every draft is accepted
     eng, target = llm.engine, llm.engine.model
-    long_prompt, short_prompt = list(range(3, 43)), [5, 6, 7]
-    for prompt, max_tokens, off in ((long_prompt, 8, True), (short_prompt, 8, False)):
+    for prompt, max_tokens, off in ((list(range(3, 43)), 8, True), (list(range(3, 43)), 12, False),
+                                    ([5, 6, 7], 8, False)):
         req = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
         eng.step()  # the prefill
         assert (req.request_id in eng.draft_stage.model_off) is off

@@ -122,7 +122,7 @@ def test_model_free_and_draft_model_drafters(dirs: dict[str, str], algo: str) ->
     extra = {"NGRAM": {}, "SYNTHETIC": {"speculative_synthetic_accept_rate": 0.7},
              "STANDALONE": {"speculative_draft_model_path": dirs["small"]}}[algo]
     prompts = [p + p[-6:] for p in shared_prompts(seed=1)]  # a repeat, so prompt lookup drafts too
-    sp = SamplingParams(temperature=0, max_tokens=56, logprobs=1)  # >= the prompts: worth a draft model's prefill
+    sp = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
 
     def make(off: bool) -> LLM:
         return LLM(dirs["target"], dtype="float64", speculative_algorithm=algo, speculative_num_draft_tokens=3,

@@ -22,6 +22,23 @@ PROBE_SIZES = (1, 5)
 HULL_EVERY = 32
 #: verify sizes the cost curve is measured at: every n up to 17, then sparser
 COST_SIZES = tuple(range(1, 18)) + (24, 32, 48, 64)
+#: a size's time is the median of this many forwards after a warm-up one, over a context of CTX tokens
+REPEATS, CTX = 5, 128
+
+
+def _pages(runner, n: int, ctx: int = CTX) -> list[int] | None:  # noqa: ANN001
+    """A page table for a ctx + n-token forward; None when the pool cannot hold it."""
+    pt: list[int] = []
+    try:
+        runner.kv.ensure(pt, ctx + n)
+    except Exception:  # noqa: BLE001 - pool too small for this size
+        runner.kv.release(pt)
+        return None
+    return pt
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 @dataclass
@@ -77,22 +94,22 @@ class CostModel:
         return CostModel(h)
 
     @staticmethod
-    def time_size(runner, n: int, repeats: int = 5, ctx: int = 128) -> float | None:  # noqa: ANN001
+    def forward_seconds(runner, page_table: list[int], n: int, ctx: int = CTX) -> float:  # noqa: ANN001
+        """One timed forward of n new tokens over a `ctx`-token context held in `page_table`."""
+        t = time.perf_counter()
+        runner.forward([page_table], [ctx], [[0] * n], [list(range(n))])
+        return time.perf_counter() - t
+
+    @classmethod
+    def time_size(cls, runner, n: int, repeats: int = REPEATS, ctx: int = CTX) -> float | None:  # noqa: ANN001
         """Seconds of a forward of n new tokens over a `ctx`-token context: the median of `repeats` after a
         warm-up; None when the pool cannot hold it."""
-        kv, pt = runner.kv, []
-        try:
-            kv.ensure(pt, ctx + n)
-        except Exception:  # noqa: BLE001 - pool too small for this size
-            kv.release(pt)
+        pt = _pages(runner, n, ctx)
+        if pt is None:
             return None
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            t = time.perf_counter()
-            runner.forward([pt], [ctx], [[0] * n], [list(range(n))])
-            times.append(time.perf_counter() - t)
-        kv.release(pt)
-        return sorted(times[1:])[len(times[1:]) // 2]
+        times = [cls.forward_seconds(runner, pt, n, ctx) for _ in range(repeats + 1)]  # the first run warms up
+        runner.kv.release(pt)
+        return _median(times[1:])
 
     @classmethod
     def from_times(cls, times: dict[int, float]) -> "CostModel":
@@ -106,13 +123,14 @@ class CostModel:
         return cls(pts if len(pts) > 1 else pts + [(pts[0][0] + 1, pts[0][1])])
 
     @classmethod
-    def measure(cls, runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = 5) -> "CostModel":  # noqa: ANN001
+    def measure(cls, runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = REPEATS,  # noqa: ANN001
+                ctx: int = CTX) -> "CostModel":
         """Every size in ascending order, up to the first the pool cannot hold. NOTE: not interleaved: a small
         forward timed right after a large one measured 1.5 ms slower than a decode step really costs (SmolLM2
         w4a8, Xeon: the large ones use AMX)."""
         times: dict[int, float] = {}
         for n in sizes:
-            t = cls.time_size(runner, n, repeats)
+            t = cls.time_size(runner, n, repeats, ctx)
             if t is None:
                 break
             times[n] = t
@@ -135,8 +153,8 @@ class CostModel:
 
 @dataclass
 class Calibration:
-    """A curve's measurement in pieces of one size each (`step`, while the engine idles), replacing `model`'s
-    points when done and cached at `path`.
+    """A curve's measurement in pieces of one forward each (`step`, while the engine idles: a request that arrives
+    meanwhile waits for one forward at most), replacing `model`'s points when done and cached at `path`.
     probing: timing PROBE_SIZES to check a cached curve. NOTE: a curve measured while something else loaded the
     machine (or before the VM changed speed) is wrong for as long as it is cached (too dear at one size, it
     verifies those windows far less often than they pay): either probe off by > STALE, the full curve is
@@ -149,19 +167,28 @@ class Calibration:
     sizes: list[int]
     probing: bool
     times: dict[int, float] = field(default_factory=dict)
+    page_table: list[int] | None = None  # of the size being timed
+    runs: list[float] = field(default_factory=list)  # its forwards so far (the first warms up)
 
     def step(self) -> bool:
-        """Measure the next size; True while sizes remain."""
+        """One forward of the size being timed; True while more is left."""
         if not self.sizes:
             return False
-        n = self.sizes.pop(0)
-        t = CostModel.time_size(self.runner, n)
-        if t is None:  # the pool cannot hold this size (nor a larger one)
-            self.sizes.clear()
-        else:
-            self.times[n] = t
-        if self.sizes:
+        n = self.sizes[0]
+        if self.page_table is None:
+            self.page_table, self.runs = _pages(self.runner, n), []
+            if self.page_table is None:  # the pool cannot hold this size (nor a larger one)
+                self.sizes.clear()
+                return self._phase_done()
+        self.runs.append(CostModel.forward_seconds(self.runner, self.page_table, n))
+        if len(self.runs) <= REPEATS:
             return True
+        self.runner.kv.release(self.page_table)  # type: ignore[attr-defined]
+        self.page_table, self.times[n] = None, _median(self.runs[1:])
+        self.sizes.pop(0)
+        return bool(self.sizes) or self._phase_done()
+
+    def _phase_done(self) -> bool:
         if self.probing:
             if all(n in self.times and abs(self.times[n] - self.model(n)) <= STALE * self.model(n)
                    for n in PROBE_SIZES):

@@ -98,7 +98,7 @@ class WindowPolicy(ABC):
         self.trials.release(request_id)
 
     def calibrate(self) -> bool:
-        """One piece of measurement (a few forwards) while no request runs; True while more is left."""
+        """One piece of measurement (one forward) while no request runs; True while more is left."""
         return False
 
 

@@ -131,9 +131,9 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def idle_work(self) -> bool:
-        """One piece of the work left for idle time (the cost policy's curve measurement: a few forwards, at most
-        ~1 s on a 7B); True while more is left. NOTE: called only while no request runs: its forwards use the
-        threads and a few pages of the pool."""
+        """One piece of the work left for idle time (the cost policy's curve measurement: one forward of at most
+        64 tokens, so a request that arrives meanwhile waits for that much); True while more is left. NOTE:
+        called only while no request runs: the forward uses the threads and a few pages of the pool."""
         return self.policy.calibrate()
 
     # ---- the step ----

@@ -2,6 +2,8 @@
 dense where small windows fall) and its per-machine cache (re-measured when stale)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from specserve.cost.curve import CostModel
@@ -41,6 +43,17 @@ def _calibrated(runner, cache_dir) -> CostModel:  # noqa: ANN001
     return model
 
 
+def _sizes(forwards: list[int]) -> list[int]:
+    """The sizes timed, in order, from the size of every timed forward."""
+    return [n for i, n in enumerate(forwards) if i == 0 or forwards[i - 1] != n]
+
+
+class _Pool:
+    """A KV pool that always has room (the fake machine below never runs a forward)."""
+
+    kv = SimpleNamespace(ensure=lambda pt, n: pt.append(0), release=lambda pt: pt.clear())
+
+
 def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     from specserve.cache.kv_pool import KVPool
     from specserve.runtime.runner import ModelRunner
@@ -50,32 +63,33 @@ def test_cost_curve_measured_once_and_cached(tmp_path, monkeypatch: pytest.Monke
     first = _calibrated(runner, tmp_path)
     assert len(first.points) >= 2 and all(t > 0 for _, t in first.points)
     assert runner.kv.allocator.num_free == runner.kv.allocator.num_pages  # measuring leaks no pages
-    timed: list[int] = []
+    forwards: list[int] = []
 
-    def check_only(runner, n, repeats=5, ctx=128):  # noqa: ANN001, ANN202 - within STALE of the cached curve
-        timed.append(n)
+    def check_only(runner, pt, n, ctx=128):  # noqa: ANN001, ANN202 - within STALE of the cached curve
+        forwards.append(n)
         return first(n) * (1.2 if n == 1 else 0.8)
 
-    monkeypatch.setattr(CostModel, "time_size", staticmethod(check_only))
+    monkeypatch.setattr(CostModel, "forward_seconds", staticmethod(check_only))
     model, cal = CostModel.load(runner, "tiny", cache_dir=tmp_path)
-    assert model.points == first.points and timed == []  # nothing timed on the way to ready
+    assert model.points == first.points and forwards == []  # nothing timed on the way to ready
     while cal.step():
         pass
-    assert timed == [1, 5] and model.points == first.points  # idle time probes t(1), t(5): kept
+    assert _sizes(forwards) == [1, 5] and model.points == first.points  # idle time probes t(1), t(5): kept
+    assert runner.kv.allocator.num_free == runner.kv.allocator.num_pages
 
 
 def _fake_machine(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[tuple[int, float]]]:
     """This machine: 1 ms + 0.1 ms/token. NOTE: a fixed fake, so a busy CI host cannot make a check fail."""
     from specserve.cost import curve as cost_mod
 
-    timed: list[int] = []
+    forwards: list[int] = []
 
-    def fake(runner, n, repeats=5, ctx=128):  # noqa: ANN001, ANN202
-        timed.append(n)
+    def fake(runner, pt, n, ctx=128):  # noqa: ANN001, ANN202
+        forwards.append(n)
         return 1e-3 + 1e-4 * n
 
-    monkeypatch.setattr(CostModel, "time_size", staticmethod(fake))
-    return timed, [(n, 1e-3 + 1e-4 * n) for n in cost_mod.COST_SIZES]
+    monkeypatch.setattr(CostModel, "forward_seconds", staticmethod(fake))
+    return forwards, [(n, 1e-3 + 1e-4 * n) for n in cost_mod.COST_SIZES]
 
 
 def test_a_first_start_times_two_sizes_then_the_rest_while_idle(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -83,15 +97,15 @@ def test_a_first_start_times_two_sizes_then_the_rest_while_idle(tmp_path, monkey
 
     from specserve.cost import curve as cost_mod
 
-    timed, true = _fake_machine(monkeypatch)
-    model, cal = CostModel.load(None, "tiny", cache_dir=tmp_path)
-    assert timed == list(cost_mod.PROBE_SIZES) and [n for n, _ in model.points] == list(cost_mod.PROBE_SIZES)
+    forwards, true = _fake_machine(monkeypatch)
+    model, cal = CostModel.load(_Pool(), "tiny", cache_dir=tmp_path)
+    assert _sizes(forwards) == list(cost_mod.PROBE_SIZES) and [n for n, _ in model.points] == list(cost_mod.PROBE_SIZES)
     assert not list(tmp_path.glob("tiny-*.json"))  # a first guess is not cached
-    hull = model.hull
-    steps = 0
+    hull, steps = model.hull, 0
+    forwards.clear()
     while cal.step():
         steps += 1
-    assert steps == len(cost_mod.COST_SIZES) - 1  # one size per piece of idle time
+    assert steps + 1 == len(forwards) == len(cost_mod.COST_SIZES) * (cost_mod.REPEATS + 1)  # one forward per piece
     assert model.points == true and model.hull is not hull  # the same object, now the full curve
     (path,) = tmp_path.glob("tiny-*.json")
     assert json.loads(path.read_text()) == [list(p) for p in true]
@@ -104,22 +118,22 @@ def test_a_stale_cached_curve_is_measured_again(tmp_path, monkeypatch: pytest.Mo
 
     from specserve.cost import curve as cost_mod
 
-    timed, true = _fake_machine(monkeypatch)
-    _calibrated(None, tmp_path)
+    forwards, true = _fake_machine(monkeypatch)
+    _calibrated(_Pool(), tmp_path)
     (path,) = tmp_path.glob("tiny-*.json")
     for stale in ([[n, 40 * t] for n, t in true],                       # 40x too slow
                   [[n, t if n == 1 else 3 * t] for n, t in true]):      # right t(1), a verify of 4 drafts 3x too dear
         path.write_text(json.dumps(stale))
-        timed.clear()
-        model, cal = CostModel.load(None, "tiny", cache_dir=tmp_path)
-        assert model.points == [tuple(p) for p in stale] and timed == []  # ready on the cached curve
+        forwards.clear()
+        model, cal = CostModel.load(_Pool(), "tiny", cache_dir=tmp_path)
+        assert model.points == [tuple(p) for p in stale] and forwards == []  # ready on the cached curve
         while cal.step():
             pass
         assert model.points == true
-        assert timed == [*cost_mod.PROBE_SIZES, *cost_mod.COST_SIZES]  # probed, then measured in full
+        assert _sizes(forwards) == [*cost_mod.PROBE_SIZES, *cost_mod.COST_SIZES]  # probed, then measured in full
         assert json.loads(path.read_text()) == [list(p) for p in true]
-    timed.clear()                                                        # a fresh curve: probed only, kept
-    assert _calibrated(None, tmp_path).points == true and timed == list(cost_mod.PROBE_SIZES)
+    forwards.clear()                                                     # a fresh curve: probed only, kept
+    assert _calibrated(_Pool(), tmp_path).points == true and _sizes(forwards) == list(cost_mod.PROBE_SIZES)
 
 
 def test_cost_curve_ignores_a_stall_and_never_decreases(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,17 +184,18 @@ def test_an_engine_is_ready_before_it_times_a_cached_curve(tmp_path, monkeypatch
     from specserve.engine.build import build_engine
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    timed, true = _fake_machine(monkeypatch)
+    forwards, true = _fake_machine(monkeypatch)
     m = tiny_model("llama")
     cfg = EngineConfig.from_sources({"model": "tiny", "speculative_algorithm": "NGRAM", "speculative_window": "cost"})
     eng = build_engine(cfg, m, None)
-    assert timed == list(cost_mod.PROBE_SIZES)
+    assert _sizes(forwards) == list(cost_mod.PROBE_SIZES)
     while eng.idle_work():
         pass
     assert eng.policy.cost_model.points == true
-    timed.clear()
+    forwards.clear()
     eng = build_engine(cfg, m, None)
-    assert timed == [] and eng.policy.cost_model.points == true
+    assert forwards == [] and eng.policy.cost_model.points == true
     while eng.idle_work():
         pass
-    assert timed == list(cost_mod.PROBE_SIZES)
+    assert _sizes(forwards) == list(cost_mod.PROBE_SIZES)
+    assert eng.kv.allocator.num_free == eng.kv.allocator.num_pages

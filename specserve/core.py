@@ -28,6 +28,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    #: OpenAI `logit_bias`: (token id, bias) pairs added to the raw logits of every position (a dict is accepted)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be generated before this many output tokens (vLLM)
     n: int = 1
     logprobs: int | None = None  # None = off; k ≥ 0 = logprob of the chosen token plus top-k alternatives
     response_format: dict[str, Any] | None = None  # OpenAI: {"type": "text" | "json_object" | "json_schema", ...}
@@ -46,6 +49,8 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if isinstance(self.json_schema, dict):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
 
     @property
     def greedy(self) -> bool:
@@ -55,6 +60,11 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_processing(self) -> bool:
+        """Some processor changes the raw logits (penalties, logit_bias, min_tokens)."""
+        return self.needs_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(field_: str, msg: str) -> None:
@@ -86,6 +96,15 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", f"token id {t!r} out of range [0, {vocab_size})")
+        for t, b in self.logit_bias:
+            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad("logit_bias", f"token id {t!r} out of range [0, {vocab_size})")
+            if not isinstance(b, (int, float)) or not (-100.0 <= b <= 100.0):
+                bad("logit_bias", f"bias of token {t} must be in [-100, 100], got {b!r}")
+        if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
+            bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.min_tokens and self.has_grammar:  # a grammar that must end could be left no token at all
+            bad("min_tokens", "not supported with structured output (response_format, json_schema, regex, ebnf)")
         check_grammar_fields(self)
 
     @property
@@ -121,6 +140,8 @@ class Request:
     params: SamplingParams
     generator: torch.Generator | None = None  # None for greedy: greedy rows draw no random numbers
     grammar: Any = None  # grammar.Matcher of structured output (None = unconstrained); advanced only by Emit
+    #: ids masked while the output is shorter than params.min_tokens: the engine's EOS ids and stop_token_ids
+    min_tokens_stop: tuple[int, ...] = ()
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)

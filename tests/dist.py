@@ -14,9 +14,10 @@ from specserve.core import SamplingParams
 
 
 def exact_joint(model, prompt: list[int], length: int, params: SamplingParams,  # noqa: ANN001
-                allowed=None) -> dict[tuple[int, ...], float]:  # noqa: ANN001
+                allowed=None, stop_ids: tuple[int, ...] = ()) -> dict[tuple[int, ...], float]:  # noqa: ANN001
     """Exact distribution of the first `length` tokens under `params` (enumeration, full recompute).
-    `allowed(seq) → bool [V]`: a grammar's allowed set after output `seq`, applied to the raw logits."""
+    `allowed(seq) → bool [V]`: a grammar's allowed set after output `seq`, applied to the raw logits.
+    `stop_ids`: what params.min_tokens holds back."""
     from specserve.cache.kv_pool import KVPool
     from specserve.runtime.runner import ModelRunner
     from specserve.runtime.sampling import target_logits
@@ -27,7 +28,7 @@ def exact_joint(model, prompt: list[int], length: int, params: SamplingParams,  
         kv.ensure(pt, len(ids))
         logits, _ = ModelRunner(model, kv).forward([pt], [0], [ids], [[len(ids) - 1]])
         raw = logits[0] if allowed is None else logits[0].masked_fill(~allowed(ids[len(prompt):]), float("-inf"))
-        x = target_logits(raw, params, prompt, ids[len(prompt):], [])
+        x = target_logits(raw, params, prompt, ids[len(prompt):], [], stop_ids)
         return torch.softmax(x, dim=-1)[0]
 
     joint = {(): 1.0}
@@ -77,9 +78,9 @@ def joint_fit(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], f
 
 
 def engine_vs_exact_joint(llm, prompt: list[int], length: int, base: SamplingParams, n: int,  # noqa: ANN001
-                          allowed=None) -> JointFit:  # noqa: ANN001
+                          allowed=None, stop_ids: tuple[int, ...] = ()) -> JointFit:  # noqa: ANN001
     """The engine's outputs of n seeded requests against the exact joint (assert fit.ok, fit)."""
-    exact = exact_joint(llm.engine.model, prompt, length, base, allowed)
+    exact = exact_joint(llm.engine.model, prompt, length, base, allowed, stop_ids)
     outs = llm.generate([prompt] * n, [SamplingParams(**{**base.__dict__, "seed": s}) for s in range(n)])
     counts: dict = {}
     for o in outs:

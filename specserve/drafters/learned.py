@@ -208,7 +208,7 @@ class LearnedDrafter(Drafter):
         if ok is not None:
             full = full.masked_fill(~allowed, float("-inf")) if bool(ok.any()) else \
                 torch.zeros_like(full).masked_fill(~allowed, float("-inf"))
-        x = target_logits(full[None], req.params, req.prompt_ids, req.output_ids + drafts, [])[0]
+        x = target_logits(full[None], req.params, req.prompt_ids, req.output_ids + drafts, [], req.min_tokens_stop)[0]
         q = torch.softmax(x, dim=-1)
         if not bool(torch.isfinite(q).all()):  # NOTE: raised, not sampled: the engine fails this request alone
             raise FloatingPointError("draft distribution contains NaN/Inf (non-finite target features or draft weights)")

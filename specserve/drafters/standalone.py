@@ -144,7 +144,7 @@ class StandaloneDrafter(Drafter):
             logits = logits.masked_fill(~allowed, float("-inf"))
             if not bool(torch.isfinite(logits).any()):
                 return None
-        x = target_logits(logits[None], req.params, req.prompt_ids, req.output_ids + drafts, [])[0]
+        x = target_logits(logits[None], req.params, req.prompt_ids, req.output_ids + drafts, [], req.min_tokens_stop)[0]
         q = torch.softmax(x.float(), dim=-1)
         if req.params.greedy or self.greedy_draft:
             tok = int(x.argmax())

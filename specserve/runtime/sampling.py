@@ -1,8 +1,9 @@
 """Logits processors and sampling, shared by plain decoding, verification and model drafters.
 
-Order (as vLLM): penalties on raw logits → temperature → min_p → top_k → top_p.
+Order: penalties on raw logits → logit_bias → min_tokens → temperature → min_p → top_k → top_p.
 NOTE: a verify window's row i is processed with prefix `output_ids + drafts[:i]`, exactly the prefix
-plain decoding would see at that position; that is what makes penalties lossless under speculation.
+plain decoding would see at that position; that is what makes penalties and min_tokens lossless under
+speculation (the target's distribution at every row is the one plain decoding samples from).
 """
 from __future__ import annotations
 
@@ -54,11 +55,30 @@ def apply_truncation(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return x
 
 
+def apply_bias_and_min_tokens(logits: torch.Tensor, params: SamplingParams, num_output: int,
+                              stop_ids: tuple[int, ...]) -> torch.Tensor:
+    """logit_bias added to every row; `stop_ids` at -inf on row i while num_output + i < min_tokens."""
+    x = logits
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        x = x.index_add(-1, torch.tensor(ids), torch.tensor(bias, dtype=x.dtype).expand(x.shape[0], -1))
+    short = max(0, min(params.min_tokens - num_output, x.shape[0]))  # rows still under min_tokens
+    if short and stop_ids:
+        x = x.clone() if x is logits else x
+        x[:short, list(stop_ids)] = float("-inf")
+    return x
+
+
 def target_logits(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], drafts: list[int]
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], drafts: list[int],
+    stop_ids: tuple[int, ...] = (),
 ) -> torch.Tensor:
-    """Processed logits rows: greedy requests take argmax of these; others softmax them into p."""
-    x = apply_penalties(logits, params, prompt_ids, output_ids, drafts) if params.needs_penalties else logits
+    """Processed logits rows: greedy requests take argmax of these; others softmax them into p. `stop_ids`: the
+    ids min_tokens holds back (the request's `min_tokens_stop`)."""
+    x = logits
+    if params.needs_processing:
+        x = apply_penalties(x, params, prompt_ids, output_ids, drafts) if params.needs_penalties else x
+        x = apply_bias_and_min_tokens(x, params, len(output_ids), stop_ids)
     return x if params.greedy else apply_truncation(x, params)
 
 

@@ -48,6 +48,18 @@ def _temperature(t: float | None) -> float:
     return 0.0 if 0.0 <= t < SAMPLING_EPS else t
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; a key that is not a token id is refused by name (the
+    ranges are checked with the other sampling fields)."""
+    out = []
+    for k, v in (bias or {}).items():
+        try:
+            out.append((int(k), float(v)))
+        except (TypeError, ValueError):
+            raise RequestError("logit_bias", f"keys must be token ids, got {k!r}") from None
+    return tuple(sorted(out))
+
+
 def _check_repetition_penalty(v: float, name: str = "repetition_penalty") -> None:
     if not MIN_REPETITION_PENALTY <= v <= 10.0:
         raise RequestError(name, f"must be in [{MIN_REPETITION_PENALTY}, 10], got {v}")
@@ -122,8 +134,8 @@ class _SamplingFields(_Knobs):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
-    logit_bias: Hidden[dict[str, float] | None] = None
-    min_tokens: Hidden[int] = 0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) → bias in [-100, 100]
+    min_tokens: int = 0
     include_stop_str_in_output: Hidden[bool] = False
     skip_special_tokens: Hidden[bool] = True
     best_of: Hidden[int | None] = None
@@ -132,10 +144,6 @@ class _SamplingFields(_Knobs):
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "only allowed when stream is true")
-        if self.logit_bias:
-            raise RequestError("logit_bias", "not supported")
-        if self.min_tokens:
-            raise RequestError("min_tokens", "not supported")
         if self.include_stop_str_in_output:
             raise RequestError("include_stop_str_in_output", "not supported")
         if not self.skip_special_tokens:
@@ -154,6 +162,7 @@ class _SamplingFields(_Knobs):
             top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, n=self.n,
+            logit_bias=_logit_bias(self.logit_bias), min_tokens=self.min_tokens,
             logprobs=logprobs, response_format=self.response_format.as_dict() if self.response_format else None)
 
     @property

@@ -39,7 +39,7 @@ def accept_tree(req: Request, raw: torch.Tensor, draft: list[int], parents: list
     with the accepted path as its history (penalties see exactly what plain decoding would)."""
     def dist(row: int, hist: list[int]) -> torch.Tensor:
         rows = raw[row : row + 1] if req.grammar is None else masked_row(req, raw[row], hist)[None]
-        x = target_logits(rows, req.params, req.prompt_ids, req.output_ids + hist, [])[0]
+        x = target_logits(rows, req.params, req.prompt_ids, req.output_ids + hist, [], req.min_tokens_stop)[0]
         if req.params.greedy:
             return x
         p = _probs(x)
@@ -76,7 +76,7 @@ def accept_request(req: Request, raw: torch.Tensor, draft: list[int], q: torch.T
             raw = masked_chain(req, raw, draft)
     except ValueError as e:
         return AcceptResult(0, [], error=str(e))
-    x = target_logits(raw, req.params, req.prompt_ids, req.output_ids, draft)
+    x = target_logits(raw, req.params, req.prompt_ids, req.output_ids, draft, req.min_tokens_stop)
     rule = RULES[choose_rule(req.params.greedy, q is not None, configured)]
     if rule.on_logits:
         n, y = rule.run(x, None, draft, None)

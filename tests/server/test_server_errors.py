@@ -33,7 +33,10 @@ BAD = [
     # the tiny model has no EOS token: structured output is refused for it, naming the field
     ("/v1/completions", {"prompt": "w1", "response_format": {"type": "json_object"}}, "response_format"),
     ("/generate", {"text": "w1", "sampling_params": {"regex": "a+", "ebnf": "root ::= \"a\""}}, "sampling_params.ebnf"),
-    ("/v1/completions", {"prompt": "w1", "logit_bias": {"5": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "w1", "logit_bias": {"five": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "w1", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "w1", "logit_bias": {"100000": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "w1", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [100000]}, "prompt"),

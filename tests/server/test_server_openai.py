@@ -34,6 +34,15 @@ def test_completion_matches_offline_engine_and_reports_usage(client: openai.Open
     assert echo.choices[0].text == "w1 w2 w3 w4" + c.text
 
 
+def test_logit_bias_and_min_tokens_match_the_offline_engine(client: openai.OpenAI, model_dir: str) -> None:
+    """OpenAI's logit_bias (token ids as strings) and vLLM's min_tokens (through extra_body) reach the engine."""
+    sp = SamplingParams(temperature=0, max_tokens=12, logit_bias={7: 5.0, 9: -100.0}, min_tokens=12)
+    offline = LLM(model_dir, dtype="float64").generate("w1 w2 w3 w4", sp)[0]
+    r = client.completions.create(model="tiny", prompt="w1 w2 w3 w4", max_tokens=12, temperature=0,
+                                  logit_bias={"7": 5.0, "9": -100.0}, extra_body={"min_tokens": 12})
+    assert r.choices[0].text == offline.text and 9 not in offline.token_ids
+
+
 def test_completion_stream_equals_non_stream(client: openai.OpenAI, srv: ServerThread) -> None:
     kw = dict(model="tiny", prompt="w7 w8 w9", max_tokens=12, temperature=0)
     full = client.completions.create(**kw)

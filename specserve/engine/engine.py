@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.kv_pool import KVPool
+from ..cache.kv_pool import KVPool, OutOfPages
 from ..cache.state_pool import StatePool
 from ..config import EngineConfig
 from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status
@@ -131,6 +131,32 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Embeddings: per prompt the mean over its positions of the target's final-normed last hidden state,
+        L2-normalised (a decoder LM has no pooling head; this is the mean pooling vLLM applies to one). Each prompt
+        runs alone on pages taken from the pool and given back, between steps. Raises ValueError naming `input`."""
+        if self.tp is not None or self.states is not None or self.model.cfg.kv_window:
+            raise ValueError("input: embeddings are not supported for this model (tensor parallelism, a hybrid "
+                             "model or a sliding window)")
+        out = []
+        for ids in prompts:
+            try:
+                self.scheduler.check_prompt(ids, self.model.cfg.vocab_size, self.max_model_len)
+            except ValueError as e:  # the same checks as a prompt's, naming this endpoint's field
+                raise ValueError("input" + str(e).removeprefix("prompt")) from None
+            pt: list[int] = []
+            try:
+                self.kv.ensure(pt, len(ids))
+            except OutOfPages:
+                self.kv.release(pt)
+                raise ValueError(f"input: {len(ids)} tokens do not fit in the free KV cache now") from None
+            try:
+                h = self.runner.hidden_states(pt, ids).to(torch.float64).mean(dim=0)
+            finally:
+                self.kv.release(pt)
+            out.append((h / h.norm().clamp_min(1e-12)).tolist())
+        return out
 
     def idle_work(self) -> bool:
         """One piece of the work left for idle time (the cost policy's curve measurement: one forward of at most

@@ -60,6 +60,16 @@ class ModelRunner:
         return list(logits.split([len(o) for o in logits_offsets])), captured
 
 
+    @torch.no_grad()
+    def hidden_states(self, page_table: list[int], tokens: list[int]) -> torch.Tensor:
+        """The final-normed hidden state [len(tokens), H] of every position of one sequence written from position
+        0 (embeddings; its KV lands in page_table)."""
+        ctx = self.kv.slots(page_table, 0, len(tokens))
+        fb = build_forward_batch([tokens], [0], [ctx], [ctx], None, ctx_first=[0])
+        hidden, _ = self.model(fb, self.kv.k, self.kv.v)
+        return hidden
+
+
 def split_features(captured: list[torch.Tensor], aux: tuple[int, ...], lengths: list[int]) -> list[torch.Tensor]:
     """Captured hidden states (one packed [T, H] per layer, in layer order) → per request
     [n_b, len(aux), H] in `aux` order (the drafter's feature layout)."""

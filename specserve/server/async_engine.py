@@ -89,6 +89,14 @@ class AsyncEngine:
     def abort(self, ids: list[str]) -> None:
         self._cmds.put(("abort", ids))
 
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Embeddings of token-id prompts, computed by the engine thread between steps (ValueError naming the
+        field)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._cmds.put(("embed", prompts, loop, fut))
+        return await fut
+
     # ---- the engine thread ----
     def _run(self) -> None:
         try:
@@ -162,6 +170,8 @@ class AsyncEngine:
         while cmd is not None:
             if cmd[0] == "add":
                 self._add(*cmd[1:])
+            elif cmd[0] == "embed":
+                self._embed(*cmd[1:])
             elif cmd[0] == "fatal":
                 raise FatalEngineError(cmd[1])
             else:
@@ -174,8 +184,8 @@ class AsyncEngine:
     def _drain_after_failure(self) -> None:
         while not self._stopping:
             cmd = self._cmds.get()
-            if cmd is not None and cmd[0] == "add":
-                _, _, _, _, loop, fut = cmd
+            if cmd is not None and cmd[0] in ("add", "embed"):
+                loop, fut = cmd[-2:]
                 _call(loop, _resolve, fut, RuntimeError(f"model not available: {self.load_error}"))
 
     def _add(self, seqs: list, ids: list[str], q: asyncio.Queue, loop: asyncio.AbstractEventLoop,
@@ -194,6 +204,12 @@ class AsyncEngine:
             if self.metrics:
                 self.metrics.on_admit(r)
         _call(loop, _resolve, fut, None)
+
+    def _embed(self, prompts: list[list[int]], loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
+        try:
+            _call(loop, _resolve_value, fut, self.engine.embed(prompts))
+        except Exception as e:  # noqa: BLE001 - ValueError → 400; anything else → 500 for this request only
+            _call(loop, _resolve, fut, e)
 
     def _abort(self, ids: list[str]) -> None:
         for rid in ids:
@@ -251,6 +267,11 @@ def _call(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the event loop is closed: the server is shutting down
         pass
+
+
+def _resolve_value(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:

@@ -264,6 +264,16 @@ class GenerateRequest(_Body):
             json_schema=s.json_schema, regex=s.regex, ebnf=s.ebnf)
 
 
+class EmbeddingRequest(_Body):
+    """OpenAI /v1/embeddings: `input` a string, strings, token ids or lists of them."""
+
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
 class TokenizeRequest(_Body):
     prompt: str | None = None
     text: str | None = None  # SGLang spelling of `prompt`

@@ -1,7 +1,9 @@
-"""POST /v1/completions and POST /v1/chat/completions (OpenAI shapes, SSE streaming)."""
+"""POST /v1/completions, /v1/chat/completions (OpenAI shapes, SSE streaming) and /v1/embeddings."""
 from __future__ import annotations
 
+import base64
 import logging
+import struct
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -11,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .common import (SSE_DONE, SSE_HEADERS, Server, check_api_key, collect, deltas, encode_prompts, expand,
                      render_chat, server, sse, submit, usage)
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RequestError, error_body
 from .text import TextStream, chat_logprobs, completion_logprobs, stop_reason
 
 log = logging.getLogger("specserve.server")
@@ -174,3 +176,27 @@ async def _stream_chat(srv: Server, body: ChatCompletionRequest, seqs: list, pro
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name,
                        "choices": [], "usage": usage([prompt], metas)})
     yield SSE_DONE
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+    """The mean of the target's final-normed last hidden state over each input's tokens, L2-normalised (a decoder
+    LM has no pooling head; see Engine.embed)."""
+    srv = server(request)
+    srv.ready_engine()
+    _warn_extra(body)
+    if body.dimensions is not None:
+        raise RequestError("dimensions", "not supported: the embedding has the model's hidden size")
+    prompts = encode_prompts(srv, body.input, "input")
+    try:
+        vectors = await srv.engine.embed(prompts)
+    except ValueError as e:
+        field, _, msg = str(e).partition(": ")
+        raise RequestError(field if msg else None, msg or str(e)) from None
+    data = []
+    for i, v in enumerate(vectors):
+        emb: Any = v if body.encoding_format == "float" else base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    n = sum(map(len, prompts))
+    return JSONResponse({"object": "list", "data": data, "model": srv.model_name,
+                         "usage": {"prompt_tokens": n, "total_tokens": n}})

@@ -43,6 +43,30 @@ def test_logit_bias_and_min_tokens_match_the_offline_engine(client: openai.OpenA
     assert r.choices[0].text == offline.text and 9 not in offline.token_ids
 
 
+def test_embeddings_are_mean_pooled_last_hidden_states(client: openai.OpenAI, model_dir: str) -> None:
+    """/v1/embeddings against transformers on the same checkpoint: the mean over the input's positions of the
+    last hidden state (after the final norm), L2-normalised; the client's default base64 and plain floats."""
+    import torch
+    import transformers
+
+    hf = transformers.LlamaModel.from_pretrained(model_dir, dtype=torch.float64).eval()
+    inputs = [[5, 6, 7, 8], [9]]
+    for fmt in ("float", "base64"):
+        r = client.embeddings.create(model="tiny", input=inputs, encoding_format=fmt) if fmt == "float" else \
+            client.embeddings.create(model="tiny", input=inputs)  # the client asks for base64 and decodes it
+        assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == 5 and r.model == "tiny"
+        for ids, d in zip(inputs, r.data):
+            with torch.no_grad():
+                h = hf(torch.tensor([ids])).last_hidden_state[0].mean(0)
+            assert torch.allclose(torch.tensor(d.embedding, dtype=torch.float64), h / h.norm(), atol=1e-6)
+    text = client.embeddings.create(model="tiny", input="w1 w2", encoding_format="float").data[0].embedding
+    assert len(text) == hf.config.hidden_size
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        client.embeddings.create(model="tiny", input="w1", dimensions=4)
+    with pytest.raises(openai.BadRequestError, match="input"):
+        client.embeddings.create(model="tiny", input=[])
+
+
 def test_completion_stream_equals_non_stream(client: openai.OpenAI, srv: ServerThread) -> None:
     kw = dict(model="tiny", prompt="w7 w8 w9", max_tokens=12, temperature=0)
     full = client.completions.create(**kw)

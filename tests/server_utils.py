@@ -39,13 +39,13 @@ class ServerThread:
     """uvicorn in a daemon thread; `url` is its base address."""
 
     def __init__(self, model_dir: str, engine_factory: Callable[[], Any] | None = None, api_key: str | None = None,
-                 **engine_options: Any) -> None:
+                 server_options: dict[str, Any] | None = None, **engine_options: Any) -> None:
         import uvicorn
 
         opts = {"dtype": "float64", "kv_cache_memory": "16MB", "seed": 0, **engine_options}
         self.config = EngineConfig.from_sources({"model": model_dir, **opts}, environ={})
         port = free_port()
-        scfg = ServerConfig(port=port, api_key=api_key, served_model_name="tiny", log_interval=0)
+        scfg = ServerConfig(port=port, api_key=api_key, served_model_name="tiny", log_interval=0, **(server_options or {}))
         factory = engine_factory(self.config) if engine_factory else None
         app = create_app(self.config, scfg, engine_factory=factory)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

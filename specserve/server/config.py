@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig, _f
 from ..flags import add_engine_args
+from .reasoning import REASONING_PARSERS
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,8 @@ class ServerConfig:
     served_model_name: str | None = _f(None, "model id reported by /v1/models and in responses (default: the model's name)")
     log_interval: float = _f(10.0, "seconds between stats log lines (acceptance length, throughput); 0 = off")
     max_sequences_per_request: int = _f(256, "max prompts x n in one request (larger requests get a 400)")
+    reasoning_parser: str | None = _f(None, "move a thinking model's <think> block from the chat answer's content into "
+                                      "reasoning_content (SGLang's names)", tuple(REASONING_PARSERS))
 
     # NOTE: the very same merge as the engine's (explicit > SPECSERVE_* env > default).
     from_sources = EngineConfig.__dict__["from_sources"]
@@ -27,6 +30,9 @@ class ServerConfig:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
         if self.log_interval < 0:
             raise ValueError(f"--log-interval must be >= 0, got {self.log_interval}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser: unknown {self.reasoning_parser!r}; choose one of "
+                             f"{', '.join(REASONING_PARSERS)}")
         if self.max_sequences_per_request < 1:
             raise ValueError(f"--max-sequences-per-request must be >= 1, got {self.max_sequences_per_request}")
 

@@ -215,6 +215,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Hidden[list[dict[str, Any]] | None] = None
     tool_choice: Hidden[Any] = None
     add_generation_prompt: bool = True
+    separate_reasoning: bool = True  # SGLang: with --reasoning-parser, false keeps the think block in content
 
     def sampling_params(self, default_max: int) -> SamplingParams:
         self._check_common()

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from .common import (SSE_DONE, SSE_HEADERS, Server, check_api_key, collect, deltas, encode_prompts, expand,
                      render_chat, server, sse, submit, usage)
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RequestError, error_body
+from .reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningSplitter, split_reasoning
 from .text import TextStream, chat_logprobs, completion_logprobs, stop_reason
 
 log = logging.getLogger("specserve.server")
@@ -23,7 +24,13 @@ router = APIRouter(dependencies=[Depends(check_api_key)])
 # SGLang's router re-serializes every body it forwards with these SGLang fields at these values, which change
 # nothing here (no reasoning parser, stop strings trimmed): no warning for them on every routed request.
 _SGLANG_NOOPS = {"no_stop_trim": False, "continue_final_message": False, "return_hidden_states": False,
-                 "separate_reasoning": True, "stream_reasoning": True}
+                 "stream_reasoning": True}
+
+
+def _reasoning(srv: Server, body: ChatCompletionRequest) -> ReasoningFormat | None:
+    """The think-block format to split this chat answer by (--reasoning-parser, unless the request opts out)."""
+    name = srv.server_config.reasoning_parser
+    return REASONING_PARSERS[name] if name and body.separate_reasoning else None
 
 
 def _warn_extra(body: Any) -> None:
@@ -134,11 +141,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         return StreamingResponse(_stream_chat(srv, body, seqs, prompt, q, ids, rid, created),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await collect(srv, request, q, ids)
-    choices = []
+    choices, fmt = [], _reasoning(srv, body)
     for i, ((_, sp), o) in enumerate(zip(seqs, outs)):
         d = o["delta"]
+        message: dict[str, Any] = {"role": "assistant", "content": _final_text(tok, sp, o)}
+        if fmt is not None:
+            message["reasoning_content"], message["content"] = split_reasoning(message["content"], fmt)
         choices.append({
-            "index": i, "message": {"role": "assistant", "content": _final_text(tok, sp, o)},
+            "index": i, "message": message,
             "logprobs": chat_logprobs(tok, o["logprobs"]) if sp.logprobs is not None else None,
             "finish_reason": d.finish_reason,
         })
@@ -151,8 +161,21 @@ async def _stream_chat(srv: Server, body: ChatCompletionRequest, seqs: list, pro
                        ids: list[str], rid: str, created: int) -> AsyncIterator[str]:
     tok = srv.tokenizer
     streams = [TextStream(tok, sp.stop) for _, sp in seqs]
+    fmt = _reasoning(srv, body)
+    splitters = [ReasoningSplitter(fmt) if fmt else None for _ in seqs]
     metas: list[dict] = []
     extra = {"usage": None} if body.include_usage else {}
+
+    def delta(i: int, text: str, finished: bool) -> dict:
+        """The text as content, or split into reasoning_content and content."""
+        s = splitters[i]
+        if s is None:
+            return {"content": text} if text else {}
+        r, c = s.feed(text)
+        if finished:
+            r2, c2 = s.finish()
+            r, c = r + r2, c + c2
+        return {**({"reasoning_content": r} if r else {}), **({"content": c} if c else {})}
 
     def chunk(i: int, delta: dict, lps: Any = None, finish: str | None = None) -> str:
         c = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
@@ -166,9 +189,11 @@ async def _stream_chat(srv: Server, body: ChatCompletionRequest, seqs: list, pro
             lps = chat_logprobs(tok, d.logprobs) if sp.logprobs is not None and d.logprobs else None
             if d.finished:
                 metas.append(d.meta)
-                yield chunk(d.index, {"content": text} if text else {}, lps, d.finish_reason)
+                yield chunk(d.index, delta(d.index, text, True), lps, d.finish_reason)
             elif text or lps:
-                yield chunk(d.index, {"content": text}, lps)
+                piece = delta(d.index, text, False)
+                if piece or lps:
+                    yield chunk(d.index, piece or {"content": ""}, lps)
     except _EngineError as e:
         yield sse(error_body(str(e), 500))
     else:

@@ -175,12 +175,18 @@ def _launched(a: argparse.Namespace) -> dict[str, Any]:
         argv = (llama_server_argv(name, a.model_path, port, threads, a.speculative_draft_model_path, parallel=batch)
                 if is_llama_server(name) else specserve_argv(a.model_path, port, threads, config_flags(name, "--launch")))
         print(f"== {name}: {' '.join(argv)}")
-        with launch(argv, port, env=dict(os.environ, OMP_NUM_THREADS=str(threads))) as srv:
+        try:
+            srv = launch(argv, port, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+        except RuntimeError as e:  # one server that does not start: the others still run
+            print(f"{name}: failed\n{e}")
+            results[name] = {"error": str(e), "argv": argv}
+            continue
+        with srv:
             results[name] = {"ready_s": srv.ready_s, "argv": argv, "runs": _load(a, srv.url),
                              "peak_rss_gib": srv.peak_rss_gib()}
     for name, r in results.items():  # greedy texts against plain decoding on the same engine
         ref = results.get("llama-server" if is_llama_server(name) else "plain")
-        if ref is not None and ref is not r and a.temperature == 0:
+        if ref is not None and ref is not r and "runs" in ref and "runs" in r and a.temperature == 0:
             for mode, run in r["runs"].items():
                 run["text_equals_plain"] = run["texts"] == ref["runs"][mode]["texts"]
     _summarize(results)
@@ -188,10 +194,13 @@ def _launched(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _summarize(results: dict[str, Any]) -> None:
+    ok = {n: r for n, r in results.items() if "runs" in r}
+    if not ok:
+        return
     base = results.get("llama-server", {}).get("runs", {})
-    modes = list(next(iter(results.values()))["runs"])
+    modes = list(next(iter(ok.values()))["runs"])
     print(f"\n{'config':<28}{'ready s':>8}{'GiB':>6}" + "".join(f"{m:>22}" for m in modes))
-    for name, r in results.items():
+    for name, r in ok.items():
         cells = []
         for m in modes:
             run, b = r["runs"][m], base.get(m)

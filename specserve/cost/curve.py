@@ -167,24 +167,23 @@ class Calibration:
     sizes: list[int]
     probing: bool
     times: dict[int, float] = field(default_factory=dict)
-    page_table: list[int] | None = None  # of the size being timed
-    runs: list[float] = field(default_factory=list)  # its forwards so far (the first warms up)
+    runs: list[float] = field(default_factory=list)  # the size being timed: its forwards so far (the first warms up)
 
     def step(self) -> bool:
-        """One forward of the size being timed; True while more is left."""
+        """One forward of the size being timed, on pages taken and given back (nothing is held between pieces,
+        while requests run); True while more is left."""
         if not self.sizes:
             return False
         n = self.sizes[0]
-        if self.page_table is None:
-            self.page_table, self.runs = _pages(self.runner, n), []
-            if self.page_table is None:  # the pool cannot hold this size (nor a larger one)
-                self.sizes.clear()
-                return self._phase_done()
-        self.runs.append(CostModel.forward_seconds(self.runner, self.page_table, n))
+        pt = _pages(self.runner, n)
+        if pt is None:  # the pool cannot hold this size (nor a larger one) now
+            self.sizes.clear()
+            return self._phase_done()
+        self.runs.append(CostModel.forward_seconds(self.runner, pt, n))
+        self.runner.kv.release(pt)  # type: ignore[attr-defined]
         if len(self.runs) <= REPEATS:
             return True
-        self.runner.kv.release(self.page_table)  # type: ignore[attr-defined]
-        self.page_table, self.times[n] = None, _median(self.runs[1:])
+        self.times[n], self.runs = _median(self.runs[1:]), []
         self.sizes.pop(0)
         return bool(self.sizes) or self._phase_done()
 

@@ -4,8 +4,8 @@ Every `csrc/*.cpp` file is compiled into one extension (`torch.utils.cpp_extensi
 registers its ops with `TORCH_LIBRARY_FRAGMENT(specserve, m)`, so kernels are added one file at a
 time. The build is cached in the Python environment (<venv>/specserve-kernels/<hash of the sources, flags,
 torch version and checkout path>), so the one `scripts/setup.sh` makes (`python -m specserve.kernels`) serves
-every later process of that environment, whatever its HOME or user; `load()` builds on first use if that was
-skipped. NOTE: kernels pick their instruction set at run time (CPUID), never at compile time, so a cached build
+every later process of that environment, whatever its HOME, user or PATH (the build always runs the
+environment's own ninja); `load()` builds on first use if that was skipped. NOTE: kernels pick their instruction set at run time (CPUID), never at compile time, so a cached build
 stays valid when the VM's CPU kind changes.
 """
 from __future__ import annotations
@@ -63,6 +63,16 @@ def load(verbose: bool = False) -> None:
         return
     from torch.utils.cpp_extension import load as _load
 
-    _load(name="specserve_kernels", sources=[str(s) for s in sources()], extra_cflags=CFLAGS,
-          extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), is_python_module=False, verbose=verbose)
+    # NOTE: the environment's own ninja, whatever PATH says: torch runs the first `ninja` on PATH, and two ninja
+    # versions (the venv's 1.13, Debian's 1.11) do not read each other's build log, so a process started
+    # without the venv activated rebuilt every kernel setup had built (and setup then rebuilt them again)
+    path = os.environ.get("PATH", "")
+    env_bin = str(Path(sys.executable).parent)
+    if (Path(env_bin) / "ninja").exists():
+        os.environ["PATH"] = env_bin + os.pathsep + path
+    try:
+        _load(name="specserve_kernels", sources=[str(s) for s in sources()], extra_cflags=CFLAGS,
+              extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), is_python_module=False, verbose=verbose)
+    finally:
+        os.environ["PATH"] = path
     _loaded = True

@@ -65,7 +65,8 @@ def available_memory_bytes() -> int | None:
         pass
     cg = cgroup_memory()
     if cg is not None:
-        free = max(0, cg[0] - cg[1]) if free is None else min(free, max(0, cg[0] - cg[1]))
+        left = max(0, cg[0] - cg[1])
+        free = left if free is None else min(free, left)
     return free
 
 

@@ -37,11 +37,12 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None, tokenize
         config = replace(config, quantization=default_quantization(ckpt, config.dtype, config.quantization))
         dtype = resolve_dtype(config.dtype, config.quantization)
         # NOTE: one memory check before anything loads: target + draft model + KV pools (target's and draft's)
-        reserve = {"draft model": 0, "KV cache": parse_memory(config.kv_cache_memory)}
+        reserve = {}
         algo, path = config.speculative_algorithm, config.speculative_draft_model_path
         if algo and path and capabilities(algo).draft_model and not is_drafter_artifact(path):  # a draft model
             draft_ckpt = open_checkpoint(path)
             reserve["draft model"] = resident_bytes(draft_ckpt, *draft_load_mode(config, dtype))
+        reserve["KV cache"] = parse_memory(config.kv_cache_memory)
         model, tokenizer = build_model(ckpt, dtype, config.quantization, reserve)
     elif config.quantization == "none":
         config = replace(config, quantization=None)

@@ -116,7 +116,8 @@ class Engine:
             raise ValueError(f"request_id {rid!r} is already running")
         grammar = self._grammars.for_params(params)
         # NOTE: what min_tokens holds back: the tokens that would stop the request (vLLM's set)
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids) if params.min_tokens else ()
+        stop = (set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)) if params.min_tokens \
+            else set()
         req = Request(rid, list(prompt_ids), params, generator=request_generator(params, self._seed_rng),
                       grammar=grammar, min_tokens_stop=tuple(sorted(stop)))
         self.requests[rid] = req

@@ -116,15 +116,19 @@ def expand(srv: Server, prompts: list[list[int]], params: SamplingParams,
             for p in prompts for j in range(params.n)]
 
 
+def field_error(e: ValueError, where: str = "") -> RequestError:
+    """The engine's "field: message" ValueError as a 400 naming the field (`where`: its prefix in the body)."""
+    field, _, msg = str(e).partition(": ")
+    return RequestError(_param(field, where), msg) if msg and " " not in field else RequestError(None, str(e))
+
+
 async def submit(srv: Server, seqs: list[tuple[list[int], SamplingParams]], prefix: str,
                  where: str = "") -> tuple[asyncio.Queue, list[str]]:
     ids = srv.engine.new_ids(prefix, len(seqs))
     try:
         q = await srv.engine.submit(seqs, ids)
-    except ValueError as e:  # SamplingParams / add_request (a grammar that does not compile) say "field: message"
-        field, _, msg = str(e).partition(": ")
-        raise (RequestError(_param(field, where), msg) if msg and " " not in field
-               else RequestError(None, str(e))) from None
+    except ValueError as e:  # SamplingParams / add_request (a grammar that does not compile)
+        raise field_error(e, where) from None
     except asyncio.CancelledError:
         srv.engine.abort(ids)
         raise

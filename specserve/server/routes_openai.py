@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .common import (SSE_DONE, SSE_HEADERS, Server, check_api_key, collect, deltas, encode_prompts, expand,
-                     render_chat, server, sse, submit, usage)
+                     field_error, render_chat, server, sse, submit, usage)
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RequestError, error_body
 from .reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningSplitter, split_reasoning
 from .text import TextStream, chat_logprobs, completion_logprobs, stop_reason
@@ -216,8 +216,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
     try:
         vectors = await srv.engine.embed(prompts)
     except ValueError as e:
-        field, _, msg = str(e).partition(": ")
-        raise RequestError(field if msg else None, msg or str(e)) from None
+        raise field_error(e) from None
     data = []
     for i, v in enumerate(vectors):
         emb: Any = v if body.encoding_format == "float" else base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()

@@ -74,8 +74,8 @@ class DraftStage:
             return
         if chunks and not self.policy.draft_pays(batch_ahead, self.num_draft_tokens):
             self.model_off.update(r.request_id for r, _, _ in chunks)
-        if getattr(self.drafter, "runner", None) is not None:  # a draft model (learned heads prefill for ~free)
-            self.model_off.update(r.request_id for r, _, _ in chunks if not self._catch_up_pays(r))
+        # NOTE: only a draft model's prefill is priced: prefill_pays is True for drafters without one
+        self.model_off.update(r.request_id for r, _, _ in chunks if not self._catch_up_pays(r))
         items = [(c, x) for c, x in zip(chunks, feats) if c[0].request_id not in self.model_off]
         with_feats = bool(self.drafter.aux_layers)
         isolate(lambda it: self.drafter.prefill([c for c, _ in it], [x for _, x in it] if with_feats else None)

@@ -33,6 +33,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot be generated before this many output tokens (vLLM)
     n: int = 1
     logprobs: int | None = None  # None = off; k ≥ 0 = logprob of the chosen token plus top-k alternatives
+    #: None = off; k ≥ 0 = per prompt position ≥ 1 the logprob of the prompt token plus top-k alternatives (vLLM)
+    prompt_logprobs: int | None = None
     response_format: dict[str, Any] | None = None  # OpenAI: {"type": "text" | "json_object" | "json_schema", ...}
     # SGLang-style structured output (at most one grammar per request, response_format included)
     json_schema: str | None = None  # a JSON schema as JSON text (a dict is serialized)
@@ -89,8 +91,10 @@ class SamplingParams:
             bad("seed", f"must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.n, int) or not (1 <= self.n <= 64):
             bad("n", f"must be an integer in [1, 64], got {self.n!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= 20)):
-            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not (0 <= k <= 20)):
+                bad(name, f"must be an integer in [0, 20], got {k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "every stop string must be a non-empty string")
         for t in self.stop_token_ids:
@@ -128,6 +132,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # top-N alternatives (token id, logprob), best first
+    rank: int  # 1-based rank of token_id: how many tokens have a logprob ≥ its own (vLLM's count)
 
 
 @dataclass(eq=False)  # NOTE: an entity: compared by identity (a field-by-field == made `req in running` O(fields))
@@ -144,6 +149,8 @@ class Request:
     min_tokens_stop: tuple[int, ...] = ()
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: params.prompt_logprobs: per prompt position collected so far (None at position 0: nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)
     committed_len: int = 0
     state_slot: int | None = None  # hybrid targets: its StatePool slot (state after committed_len tokens)
@@ -188,6 +195,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs asked for and not all collected: its prefill computes the logits of its prompt rows,
+        which a cached prefix cannot give (the cache holds KV, not logits)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
 
 @dataclass
@@ -281,15 +294,26 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_tokens_per_pos: list[int] = field(default_factory=list)
     window_counts: list[int] = field(default_factory=list)  # decode rows by window size chosen (0 = plain)
+    #: draft source (drafters/base.py `sources`, "grammar" for forced tokens) → [draft tokens, accepted tokens]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
+
+    def copy(self) -> "SpecStats":
+        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                         list(self.accepted_tokens_per_pos), list(self.window_counts),
+                         {k: list(v) for k, v in self.by_source.items()})
 
     def record_window(self, k: int) -> None:
         if len(self.window_counts) <= k:
             self.window_counts += [0] * (k + 1 - len(self.window_counts))
         self.window_counts[k] += 1
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
+    def record(self, num_draft: int, num_accepted: int, source: str = "") -> None:
         if num_draft == 0:
             return
+        if source:
+            per = self.by_source.setdefault(source, [0, 0])
+            per[0] += num_draft
+            per[1] += num_accepted
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
@@ -322,6 +346,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[Completion]
+    #: SamplingParams.prompt_logprobs: per prompt position None (position 0) or the prompt token's TokenLogprob
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     text = property(lambda self: self.outputs[0].text)
     token_ids = property(lambda self: self.outputs[0].token_ids)

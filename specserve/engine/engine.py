@@ -24,7 +24,7 @@ import torch
 from ..cache.kv_pool import KVPool, OutOfPages
 from ..cache.state_pool import StatePool
 from ..config import EngineConfig
-from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status
+from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status, TokenLogprob
 from ..cost.policy import StepStats, WindowPolicy
 from ..drafters.base import Drafter
 from ..drafters.context import SpecSettings
@@ -34,7 +34,7 @@ from ..parallel.driver import TPDriver
 from ..runtime.isolate import isolate
 from ..runtime.output import Emitter
 from ..runtime.runner import ModelRunner, split_features
-from ..runtime.sampling import request_generator
+from ..runtime.sampling import request_generator, token_logprobs
 from ..speculative.accept import accept_request
 from ..speculative.commit import (AdvanceKV, CommitStage, CommitState, Committed, DraftState, Emit, KeepPath,
                                   SlideWindow)
@@ -103,7 +103,9 @@ class Engine:
         self._after_prefill = False  # a prefill ran since the last decode step (StepStats.after_prefill)
 
     def close(self) -> None:
-        """Release what outlives the engine object: tensor-parallel worker processes."""
+        """Release what outlives the engine object: tensor-parallel worker processes; save the drafter's index."""
+        if self.drafter is not None:
+            self.drafter.save(now=True)
         if self.tp is not None:
             self.tp.close()
 
@@ -119,7 +121,8 @@ class Engine:
         stop = (set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)) if params.min_tokens \
             else set()
         req = Request(rid, list(prompt_ids), params, generator=request_generator(params, self._seed_rng),
-                      grammar=grammar, min_tokens_stop=tuple(sorted(stop)))
+                      grammar=grammar, min_tokens_stop=tuple(sorted(stop)),
+                      prompt_logprobs=[] if params.prompt_logprobs is None else [None])
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
@@ -162,8 +165,12 @@ class Engine:
     def idle_work(self) -> bool:
         """One piece of the work left for idle time (the cost policy's curve measurement: one forward of at most
         64 tokens, so a request that arrives meanwhile waits for that much); True while more is left. NOTE:
-        called only while no request runs: the forward uses the threads and a few pages of the pool."""
-        return self.policy.calibrate()
+        called only while no request runs: the forward uses the threads and a few pages of the pool. The drafter
+        saves its suffix index here when due."""
+        more = self.policy.calibrate()
+        if not more and self.drafter is not None:
+            self.drafter.save()
+        return more
 
     # ---- the step ----
     def step(self) -> list[Request]:
@@ -181,30 +188,38 @@ class Engine:
     def _prefill(self, chunks: list[tuple[Request, int]]) -> list[Request]:
         aux = tuple(sorted(self.aux_layers))
 
-        def forward(cs: list[tuple[Request, int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        def forward(cs: list[tuple[Request, int]]) -> list[tuple[torch.Tensor | None, list[TokenLogprob],
+                                                                  torch.Tensor | None]]:
+            """Per chunk: the first output token's logits row (None before the prompt's end), the prompt logprobs
+            its rows give, its captured features."""
             starts = [r.committed_len for r, _ in cs]
             first = [r.committed_len + n == r.prefill_target and not r.output_ids for r, n in cs]
+            prompt = [_prompt_rows(r, s, n) for (r, n), s in zip(cs, starts)]
             states = self.states.batch([r.state_slot for r, _ in cs]) if self.states else None
             logits, captured = self.runner.forward(
                 [r.page_table for r, _ in cs], starts, [r.all_ids[s : s + n] for (r, n), s in zip(cs, starts)],
-                [[n - 1] if f else [] for (_, n), f in zip(cs, first)], aux, states=states)
+                [list(p) + ([n - 1] if f else []) for p, (_, n), f in zip(prompt, cs, first)], aux, states=states)
             if states is not None:  # a prefill chunk is committed whole: its last row's state is final
                 for (r, _), rows in zip(cs, states.split([n for _, n in cs])):
                     self.states.write(r.state_slot, rows, 0)
             feats = split_features(captured, self.aux_layers, [n for _, n in cs]) if aux else [None] * len(cs)
-            return [(row if f else None, x) for row, f, x in zip(logits, first, feats)]
+            # NOTE: row j of a chunk starting at s predicts position s + j + 1
+            plps = [token_logprobs(x, r.prompt_ids[s + p.start + 1 : s + p.stop + 1], r.params.prompt_logprobs)
+                    if p else [] for x, p, (r, _), s in zip(logits, prompt, cs, starts)]
+            return [(x[len(p):] if f else None, lp, ft) for x, p, f, lp, ft in zip(logits, prompt, first, plps, feats)]
 
         done = isolate(forward, chunks, lambda c, e: self._fail_exc(c[0], "prefill", e))
         starts = [r.committed_len for (r, _), _ in done]
-        for (r, n), _ in done:
+        for (r, n), (_, plps, _) in done:
+            r.prompt_logprobs += plps  # complete before the first token is emitted below
             r.committed_len += n
             if self.slide is not None:
                 self.slide.slide(r)
             elif self.prefix is not None:
                 self.prefix.insert(r)
-        self.draft_stage.prefill([(r, s, n) for ((r, n), _), s in zip(done, starts)], [x for _, (_, x) in done],
+        self.draft_stage.prefill([(r, s, n) for ((r, n), _), s in zip(done, starts)], [x for _, (_, _, x) in done],
                                  self.scheduler.batch_ahead)
-        firsts = [(r, row) for (r, _), (row, _) in done if row is not None and not r.finished]
+        firsts = [(r, row) for (r, _), (row, _, _) in done if row is not None and not r.finished]
         accepted = self._accept([r for r, _ in firsts], Proposal.empty(len(firsts)), [row for _, row in firsts],
                                 verified=False)  # the first token: the same accept and commit, no draft
         return [c.req for c in self.commit_stage.run(accepted)]
@@ -272,3 +287,11 @@ class Engine:
         self.emitter.forget(r.request_id)
         self.draft_stage.release(r)
         self.requests.pop(r.request_id, None)
+
+
+def _prompt_rows(r: Request, start: int, n: int) -> range:
+    """The rows of r's prefill chunk [start, start + n) whose logits give prompt logprobs not collected yet (a
+    request preempted mid-prefill recomputes rows it has): row j predicts prompt position start + j + 1."""
+    if not r.needs_prompt_logits:
+        return range(0)
+    return range(max(len(r.prompt_logprobs) - 1 - start, 0), min(n, len(r.prompt_ids) - 1 - start))

@@ -135,7 +135,8 @@ class LLM:
         bar.close()
         return [
             RequestOutput(g[0].request_id, p if isinstance(p, str) else None, pid,
-                          [self._completion(i, r) for i, r in enumerate(g)])
+                          [self._completion(i, r) for i, r in enumerate(g)],
+                          g[0].prompt_logprobs if g[0].params.prompt_logprobs is not None else None)
             for p, pid, g in zip(prompts, ids, groups)
         ]
 

@@ -3,7 +3,8 @@
   admit(req)    a request scheduled with no KV (new, or preempted and back) starts past its longest
                 cached prefix of whole pages: the target's hit, cut to what the drafter can start from
                 too (`Drafter.cached_prefix`), and never the whole prompt (the last prompt token is
-                always computed: its logits give the first output token)
+                always computed: its logits give the first output token); a request still collecting
+                prompt logprobs starts from no cached prefix (the cache holds KV, not the logits they need)
   admitted(req, hit)  the admission stuck (its first chunk got pages): counted once per request, at its
                 first admission (a retry after `undo` or a preempted request's return is not a new query)
   insert(req)   its committed full pages enter the cache: after each prefill chunk (so requests that
@@ -33,6 +34,8 @@ class PrefixCaching:
     def admit(self, req: Request) -> int:
         """Take the cached pages of req's longest cached prefix into its page table (committed); returns
         how many tokens that skips. NOTE: req holds no KV yet (page table empty, committed_len 0)."""
+        if req.needs_prompt_logits:  # not looked up (as vLLM): its inserts still serve others
+            return 0
         ps = self.page_size
         most = (req.prefill_target - 1) // ps
         keys = extend_page_keys(req.all_ids, req.page_keys, ps, most)[:most]
@@ -52,12 +55,14 @@ class PrefixCaching:
         NOTE: per request, as vLLM counts: `cached_tokens` is None until the first admission sticks."""
         if req.cached_tokens is not None:
             return
+        req.cached_tokens = hit
+        if req.needs_prompt_logits:  # `admit` made no lookup: not a query
+            return
         s = self.cache.stats
         s.queries += 1
         s.query_tokens += req.prefill_target
         s.hits += hit > 0
         s.hit_tokens += hit
-        req.cached_tokens = hit
 
     def undo(self, req: Request, kv: KVPool) -> None:
         """Give back what `admit` took (the request goes on waiting: it found no pages for its chunk)."""

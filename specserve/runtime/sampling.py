@@ -120,9 +120,10 @@ def expected_q(q: torch.Tensor) -> torch.Tensor:
 def token_logprobs(raw_logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
     """Logprobs of the raw model distribution (before penalties/temperature, as vLLM reports them)."""
     lp = torch.log_softmax(raw_logits[: len(tokens)].double(), dim=-1)
-    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)]
+    ranks = (lp >= chosen[:, None]).sum(dim=-1).tolist()
     tops: list[list[tuple[int, float]]] = [[] for _ in tokens]
     if top_n > 0:
         vals, ids = torch.topk(lp, top_n, dim=-1)
         tops = [list(zip(i.tolist(), v.tolist())) for i, v in zip(ids, vals)]
-    return [TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops)]
+    return [TokenLogprob(t, c, top, k) for t, c, top, k in zip(tokens, chosen.tolist(), tops, ranks)]

@@ -33,6 +33,7 @@ import torch
 from ..core import DraftPlan, Proposal, Request
 
 if TYPE_CHECKING:
+    from ..cache.kv_pool import KVPool
     from ..config import EngineConfig
     from .context import DrafterContext
 
@@ -71,6 +72,9 @@ class Drafter(ABC):
     def release(self, req: Request) -> None:
         """Forget a request's draft-side state."""
 
+    def save(self, now: bool = False) -> None:
+        """Persist what outlives the process (the suffix index), in idle time if due, or `now` (shutdown)."""
+
     def use_prefix_cache(self) -> None:
         """The engine caches prefixes: a drafter with a pool of its own may cache its pages too."""
 
@@ -82,6 +86,11 @@ class Drafter(ABC):
 
     def attach_prefix(self, req: Request, keys: list[bytes]) -> None:
         """req starts past the pages of `keys` (≤ what `cached_prefix` allowed)."""
+
+    def prefix_pool(self) -> "tuple[KVPool, torch.nn.Module] | None":
+        """The pool whose pages this drafter caches (drafters/prefix.py) and the network that writes them (its
+        identity is part of the pool's fingerprint for the disk tier, cache/fingerprint.py); None: it caches none."""
+        return None
 
 
 @dataclass(frozen=True)

@@ -13,38 +13,38 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.kv_pool import KVPool
 from ..core import DraftPlan, Proposal, Request
 from .artifact import is_drafter_artifact, learned_artifact, learned_factory, read_config
 from .base import AUTO_ARTIFACT, Capabilities, Drafter, register_drafter
 from .context import DrafterContext
-from .ngram import RequestLookups
+from .lookups import Lookups, make_lookups
 from .standalone import make_standalone
 
 LONG_MATCH = 3  # HYBRID's default --speculative-ngram-min-match
 
 
 class HybridDrafter(Drafter):
-    sources = ("lookup", "learned")
-
-    def __init__(self, learned: Drafter, min_match: int, max_match: int) -> None:
+    def __init__(self, learned: Drafter, lookups: Lookups) -> None:
         self.learned = learned  # the inner drafter (a learned one or a draft model): the source "learned"
         self.label = f"HYBRID(NGRAM+{learned.label})"
         self.aux_layers = learned.aux_layers
         self.supplies_q = learned.supplies_q
         self.drafts_whole_window = learned.drafts_whole_window
         self.runner = getattr(learned, "runner", None)  # a draft model's runner: `cost` prices its forwards
-        self.lookup = RequestLookups(min_match, max_match)
+        self.lookups = lookups
+        self.sources = lookups.names + ("learned",)
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:
         self.learned.prefill(chunks, feats)
 
     def draft_source(self, req: Request) -> str:
-        return "lookup" if self.lookup(req, 1) else "learned"
+        return self.lookups.source(req) or "learned"
 
     def propose(self, reqs: list[Request], plan: DraftPlan) -> Proposal:
         # NOTE: plan.sources is draft_source's answer this step, on the same committed context ("lookup" also
         # where the draft stage turned a draft model off: no match then drafts nothing)
-        found = [self.lookup(r, w) if s == "lookup" else [] for r, s, w in zip(reqs, plan.sources, plan.windows)]
+        found = [self.lookups.draft(r, s, w) if s != "learned" else [] for r, s, w in zip(reqs, plan.sources, plan.windows)]
         rest = [w if s == "learned" else 0 for s, w in zip(plan.sources, plan.windows)]
         inner = DraftPlan([self.learned.sources[-1]] * len(reqs), rest)
         parts = (self.learned.propose(reqs, inner) if any(rest) else Proposal.empty(len(reqs))).split()
@@ -57,8 +57,11 @@ class HybridDrafter(Drafter):
         self.learned.commit(reqs, num_accepted, feats)
 
     def release(self, req: Request) -> None:
-        self.lookup.release(req)
+        self.lookups.release(req)
         self.learned.release(req)
+
+    def save(self, now: bool = False) -> None:
+        self.lookups.save(now)
 
     def use_prefix_cache(self) -> None:
         self.learned.use_prefix_cache()
@@ -69,11 +72,14 @@ class HybridDrafter(Drafter):
     def attach_prefix(self, req: Request, keys: list[bytes]) -> None:
         self.learned.attach_prefix(req, keys)
 
+    def prefix_pool(self) -> tuple[KVPool, torch.nn.Module] | None:
+        return self.learned.prefix_pool()
+
 
 @register_drafter("HYBRID", Capabilities(block=True, features=True, samples=True, draft_model=True,
                                          default_window="confidence",
                                          extra_flags=("speculative_ngram_min_match", "speculative_ngram_max_match",
-                                                      "speculative_draft_vocab")),
+                                                      "speculative_draft_vocab", "speculative_suffix_cache_tokens")),
                   help="n-gram lookup on long matches, else the learned drafter or draft model")
 def _make(ctx: DrafterContext) -> Drafter:
     c = ctx.config
@@ -84,4 +90,4 @@ def _make(ctx: DrafterContext) -> Drafter:
         learned = learned_factory(read_config(path).algorithm if path else AUTO_ARTIFACT)(ctx)
     max_match = c.value("speculative_ngram_max_match")
     min_match = c.speculative_ngram_min_match or min(LONG_MATCH, max_match)
-    return HybridDrafter(learned, min_match, max_match)
+    return HybridDrafter(learned, make_lookups(ctx, min_match, max_match))

@@ -2,7 +2,8 @@
 
 Speculative counters (Prometheus appends `_total`):
   specserve:spec_decode_num_drafts, …_num_draft_tokens, …_num_accepted_tokens,
-  …_num_accepted_tokens_per_pos{position}
+  …_num_accepted_tokens_per_pos{position}, …_num_draft_tokens_by_source{source}, …_num_accepted_tokens_by_source{source}
+  (source: lookup, suffix, table, learned, draft, grammar: where the drafts came from)
   mean acceptance length = 1 + rate(accepted_tokens) / rate(num_drafts)   (bonus token included)
   acceptance rate        = rate(accepted_tokens) / rate(draft_tokens)
   per-position rate      = rate(accepted_per_pos{position=i}) / rate(num_drafts)   (unconditional)
@@ -53,6 +54,10 @@ class Metrics:
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                     "Draft tokens accepted at each draft position (0-based)", ("position",))
+        self.spec_source_drafts = counter("spec_decode_num_draft_tokens_by_source",
+                                          "Draft tokens verified, by draft source", ("source",))
+        self.spec_source_accepted = counter("spec_decode_num_accepted_tokens_by_source",
+                                            "Draft tokens accepted, by draft source", ("source",))
         self.requests = counter("request_success", "Finished requests by finish reason", ("finished_reason",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
@@ -124,7 +129,11 @@ class Metrics:
         for i, v in enumerate(s.accepted_tokens_per_pos):  # every drafted position shows, zeros too
             old = seen.accepted_tokens_per_pos[i] if i < len(seen.accepted_tokens_per_pos) else 0
             self._l(self.spec_per_pos, position=str(i)).inc(v - old)
-        self._seen = SpecStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_tokens_per_pos))
+        for src, (drafted, acc) in s.by_source.items():
+            was = seen.by_source.get(src, [0, 0])
+            self._l(self.spec_source_drafts, source=src).inc(drafted - was[0])
+            self._l(self.spec_source_accepted, source=src).inc(acc - was[1])
+        self._seen = s.copy()
 
 
 class StatsLogger:
@@ -145,7 +154,7 @@ class StatsLogger:
         dt, gen = now - self._t, self.tokens - self._tokens
         s, old = engine.stats, self._stats
         self._t, self._tokens = now, self.tokens
-        self._stats = SpecStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_tokens_per_pos))
+        self._stats = s.copy()
         if gen == 0 and not engine.has_unfinished():
             return None
         line = (f"Engine: {len(engine.scheduler.running)} running, {len(engine.scheduler.waiting)} waiting, "

@@ -121,7 +121,7 @@ class Emit(CommitStep):
                 tested = n_acc + (n_acc < c.num_draft)  # a rejection ends a chain
                 self.trials.record(r.request_id, c.source, n_acc, tested)
                 count_per_pos(r.spec_accepted_per_pos, c.num_draft, n_acc)
-                self.stats.record(c.num_draft, n_acc)
+                self.stats.record(c.num_draft, n_acc, c.source)
             if reason is not None:
                 self.finish(r, reason)
 

@@ -110,9 +110,10 @@ class DraftStage:
             return DraftPlan([d.sources[-1] if d else DEFAULT_SOURCE] * len(reqs), [0] * len(reqs))
         self._model_back(reqs)
         off = [r.request_id in self.model_off for r in reqs]
-        # NOTE: a request the draft model is off for drafts from the cheapest source, and not at all from a
-        # drafter whose only source is the model
-        sources = [d.sources[0] if o else d.draft_source(r) for r, o in zip(reqs, off)]
+        # NOTE: a request the draft model is off for drafts from a free source (the model is the last one), and
+        # not at all from a drafter whose only source is the model
+        sources = [d.draft_source(r) for r in reqs]
+        sources = [d.sources[0] if o and s == d.sources[-1] else s for s, o in zip(sources, off)]
         limits = [0 if o and len(d.sources) == 1 else self.limit(r) for r, o in zip(reqs, off)]
         plan = DraftPlan(sources, limits)
         plan.windows = self.policy.plan(reqs, plan)

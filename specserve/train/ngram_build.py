@@ -27,7 +27,8 @@ from typing import Callable
 import numpy as np
 
 from ..core import SamplingParams
-from ..drafters.ngram import TABLE_MIN_MATCH, ngram_lookup
+from ..drafters.lookups import ngram_lookup
+from ..drafters.ngram import TABLE_MIN_MATCH
 from ..drafters.ngram_table import BINS, NgramTable
 from .corpus import corpus, render
 from .prefill import heldout_prompts

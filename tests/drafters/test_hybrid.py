@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import specserve.drafters.hybrid as hybrid
+import specserve.drafters.lookups as lookups
 from specserve.core import SamplingParams
 from specserve.engine.llm import LLM
 from tests.dist import engine_vs_exact_joint
@@ -22,8 +22,8 @@ from tests.tiny import reference_greedy
                                        ("eagle3", {"speculative_num_draft_tokens": 3})])
 def test_hybrid_greedy_equals_plain(trained: dict, monkeypatch: pytest.MonkeyPatch, algo: str, opts: dict) -> None:
     used = {"lookup": 0, "learned": 0}
-    real_lookup = hybrid.RequestLookups.__call__
-    monkeypatch.setattr(hybrid.RequestLookups, "__call__", lambda *a: (r := real_lookup(*a)) and used.update(
+    real_lookup = lookups.RequestLookups.__call__
+    monkeypatch.setattr(lookups.RequestLookups, "__call__", lambda *a: (r := real_lookup(*a)) and used.update(
         lookup=used["lookup"] + 1) or r)
     llm = LLM.from_model(_target(), speculative_algorithm="HYBRID", kv_cache_memory="512KiB",
                          speculative_draft_model_path=str(trained["artifacts"][algo]), **opts)
@@ -61,7 +61,7 @@ def test_hybrid_flags() -> None:
 def test_ngram_index_equals_the_scan() -> None:
     """NgramIndex (incremental, per request) answers what ngram_lookup's scan of the whole context does, for
     contexts that grow by 1..5 tokens a step, every k, and a context that is not an extension (re-indexed)."""
-    from specserve.drafters.ngram import NgramIndex, ngram_lookup
+    from specserve.drafters.lookups import NgramIndex, ngram_lookup
 
     rng = random.Random(0)
     for min_match, max_match in ((1, 4), (3, 4), (2, 2), (1, 1)):

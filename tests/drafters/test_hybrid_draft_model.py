@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import specserve.drafters.hybrid as hybrid
+import specserve.drafters.lookups as lookups
 from specserve import LLM, SamplingParams
 
 from tests.engine_helpers import fixed_curves
@@ -27,8 +27,8 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_hybrid_over_draft_model_greedy_equals_plain(dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch,
                                                      algo: str) -> None:
     used = {"lookup": 0, "model": 0}
-    real_lookup = hybrid.RequestLookups.__call__
-    monkeypatch.setattr(hybrid.RequestLookups, "__call__", lambda *a: (r := real_lookup(*a)) and used.update(
+    real_lookup = lookups.RequestLookups.__call__
+    monkeypatch.setattr(lookups.RequestLookups, "__call__", lambda *a: (r := real_lookup(*a)) and used.update(
         lookup=used["lookup"] + 1) or r)
     llm = LLM(dirs["target"], dtype="float64", speculative_algorithm=algo, speculative_draft_model_path=dirs["small"],
               speculative_num_draft_tokens=4, page_size=4, max_prefill_tokens=9)

@@ -86,13 +86,14 @@ def test_short_lookup_extended_from_table() -> None:
     """A prompt-lookup continuation shorter than the window goes on from the table; its own tokens carry NaN
     confidence, which the policies read as the lookup source's acceptance estimate."""
     from specserve.core import DraftPlan, Request
+    from specserve.drafters.lookups import Lookups, RequestLookups
     from specserve.drafters.ngram import NgramDrafter
     from specserve.cost.acceptance import AcceptTrials
     from specserve.cost.acceptance import accept_curves
 
     streams = [([1, 2, 3, 4, 5, 6] * 4, [True] * 24)]
     table, _ = NgramTable.build([(np.array(i), np.array(u)) for i, u in streams], vocab_size=8, max_n=2, min_count=2)
-    drafter = NgramDrafter(2, 4, table)
+    drafter = NgramDrafter(Lookups(RequestLookups(2, 4)), table)
     r = Request("r", [1, 2, 7, 1, 2], SamplingParams(temperature=0.0))  # [1, 2] recurs: lookup gives [7, 1, 2]
     source = drafter.draft_source(r)
     assert source == "lookup"
@@ -142,7 +143,7 @@ def test_calibration_is_monotone_probability() -> None:
 def test_table_trials_count_the_served_table_drafts() -> None:
     """Calibration counts table drafts where the replayed speculative loop (NGRAM's rule) tests them: the same
     totals as replaying table_draft and attributing each tested position to the lookup or the table."""
-    from specserve.drafters.ngram import ngram_lookup
+    from specserve.drafters.lookups import ngram_lookup
 
     streams = random_streams(3)
     table, _ = NgramTable.build([(np.array(i), np.array(u)) for i, u in streams], vocab_size=7, max_n=3, min_count=2)
@@ -193,7 +194,7 @@ def test_ngram_table_greedy_equals_plain(model, greedy_table, window: str) -> No
              SamplingParams(temperature=0.0, max_tokens=rng.randrange(10, 40))) for _ in range(6)]
     llm = make_llm(model, "NGRAM", K=5, speculative_ngram_table=str(greedy_table), speculative_window=window,
                    speculative_ngram_min_match=3)
-    assert llm.engine.drafter.table is not None and llm.engine.drafter.sources == ("lookup", "table")
+    assert llm.engine.drafter.table is not None and llm.engine.drafter.sources == ("lookup", "suffix", "table")
     reqs = drive(llm, plan)
     for r, (_, prompt, sp) in zip(reqs, plan):
         assert r.output_ids == reference_greedy(model, prompt, sp.max_tokens)

@@ -47,6 +47,13 @@ class EngineConfig:
     disable_prefix_cache: bool = _f(False, "do not reuse the KV pages of prompt prefixes across requests (the prefix "
                                     "cache is on by default; hybrid recurrent targets never use it)",
                                     aliases=("--disable-radix-cache",))
+    prefix_cache_dir: str | None = _f(None, "a directory where the prefix cache also keeps its pages on disk, so a "
+                                      "restarted server (same model, same KV layout) hits the prefixes it had "
+                                      "cached; pages are written as they enter the cache and read back at admission "
+                                      "(default: RAM only)")
+    prefix_cache_disk_budget: str | None = _f(None, "most bytes of page files under --prefix-cache-dir (a size: "
+                                              "4GiB, 500MB); the least recently used are deleted past it",
+                                              unset="4GiB")
     max_model_len: int | None = _f(None, "max prompt + output tokens (default: the model's context)",
                                    aliases=("--context-length",))
     max_prefill_tokens: int = _f(2048, "prefill tokens per step (longer prompts are chunked)",
@@ -104,8 +111,12 @@ class EngineConfig:
     speculative_ngram_max_match: int | None = _f(None, "NGRAM: longest suffix to match", unset=4)
     speculative_ngram_table: str | None = _f(None, "NGRAM: a corpus n-gram table directory that drafts where prompt "
                                              "lookup finds no match of --speculative-ngram-min-match (default 2 with "
-                                             "a table) tokens; default: the table shipped for the target, if any; "
+                                             "a table) tokens (HYBRID over a draft model: where `cost` turns the "
+                                             "model off); default: the table shipped for the target, if any; "
                                              "none = prompt lookup only")
+    speculative_suffix_cache_tokens: int | None = _f(None, "NGRAM/HYBRID (so AUTO): tokens of past requests' prompts "
+                                                     "and outputs the suffix index keeps for drafting (~28 bytes "
+                                                     "each); 0 = no index", unset=1 << 20)
     speculative_synthetic_accept_rate: float | None = _f(None, "SYNTHETIC: probability each drafted token is the "
                                                          "target's", unset=0.7)
     speculative_draft_dtype: str | None = _f(None, "dtype of the draft model (default: the target's)",
@@ -121,6 +132,8 @@ class EngineConfig:
             ch = f.metadata["choices"]
             if ch and getattr(self, f.name) is not None and getattr(self, f.name) not in ch:
                 raise ValueError(f"--{flag(f.name)}: {getattr(self, f.name)!r} is not one of {', '.join(ch)}")
+        if self.speculative_suffix_cache_tokens is not None and self.speculative_suffix_cache_tokens < 0:
+            raise ValueError(f"--speculative-suffix-cache-tokens must be >= 0, got {self.speculative_suffix_cache_tokens}")
         for name in ("page_size", "max_prefill_tokens", "max_running_requests", "speculative_ngram_min_match",
                      "tp_size", "nnodes",
                      "speculative_draft_attention_window", "speculative_dspark_block_size"):
@@ -133,6 +146,14 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not lo <= v <= hi:
                 raise ValueError(f"--{flag(name)} must be in [{lo}, {hi}], got {v}")
+        if self.prefix_cache_dir is not None and self.disable_prefix_cache:
+            raise ValueError("--prefix-cache-dir keeps the prefix cache's pages on disk: it needs the prefix cache "
+                             "(drop --disable-prefix-cache)")
+        if self.prefix_cache_disk_budget is not None and self.prefix_cache_dir is None:
+            raise ValueError("--prefix-cache-disk-budget applies only with --prefix-cache-dir")
+        if self.prefix_cache_dir is not None and self.tp_size > 1:
+            raise ValueError("--prefix-cache-dir is not supported with --tp-size > 1 (rank 0's pool holds only its "
+                             "shard of each page)")
         if self.tp_size % self.nnodes:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:

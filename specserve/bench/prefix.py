@@ -6,6 +6,7 @@ conversation, as chat clients do. Each turn runs on the cached engine, then on a
 --disable-prefix-cache (interleaved, so load on the machine hits both alike); greedy, so both see the same
 history. Reported: time to first token per turn index (cache on/off), turn 2's TTFT against turn 1's cold
 one, end-to-end time of all turns (on/off), and prompts that share nothing (no slower with the cache on).
+--restart: the disk tier across a restart instead (bench/prefix_restart.py).
 """
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--unique-prompts", type=int, default=4, help="prompts sharing nothing (~--unique-tokens each)")
     p.add_argument("--unique-tokens", type=int, default=1024)
-    p.add_argument("--output", default=None, help="JSON result path (default bench/results/prefix-<time>.json)")
+    p.add_argument("--restart", action="store_true", help="the disk tier (--prefix-cache-dir; default a temporary "
+                   "directory): TTFT of a restarted engine's first request on a cached ~--system-tokens prefix "
+                   "against the cold one")
+    p.add_argument("--restart-rounds", type=int, default=3, help="--restart: cold + restart rounds (median reported)")
+    p.add_argument("--output", default=None, help="JSON result path (default bench/results/prefix[-restart]-<time>.json)")
     add_engine_args(p)
 
 
@@ -54,6 +59,10 @@ def _turn(llm: Any, messages: list[dict], sp: SamplingParams) -> tuple[str, dict
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from ..engine.llm import LLM
 
+    if a.restart:
+        from . import prefix_restart
+
+        return prefix_restart.run(a)
     cfg = config_from_args(a, a.model)
     on = LLM.from_config(cfg)
     off = LLM.from_model(on.engine.model, on.engine.tokenizer, **{**_explicit(a), "quantization": on.config.quantization or "none", "disable_prefix_cache": True})
@@ -126,5 +135,5 @@ def _explicit(a: argparse.Namespace) -> dict[str, Any]:
 
     from ..config import EngineConfig
 
-    return {f.name: getattr(a, f.name) for f in fields(EngineConfig)
-            if f.name != "model" and getattr(a, f.name, None) is not None}
+    return {f.name: getattr(a, f.name) for f in fields(EngineConfig)  # the disk tier needs the cache on: not for "off"
+            if f.name not in ("model", "prefix_cache_dir", "prefix_cache_disk_budget") and getattr(a, f.name, None) is not None}

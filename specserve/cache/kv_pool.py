@@ -19,8 +19,9 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb"
           "g": 2**30, "gb": 2**30, "gib": 2**30}
 
 
-def parse_memory(spec: str | float | int) -> int:
-    """'2GiB', '512MB', '1e9' → bytes; a number in (0, 1] → that fraction of total RAM."""
+def parse_memory(spec: str | float | int, name: str = "--kv-cache-memory", fraction: bool = True) -> int:
+    """'2GiB', '512MB', '1e9' → bytes; a number in (0, 1] → that fraction of total RAM (`fraction`: else refused,
+    as for a disk size). `name`: the flag errors name."""
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         value, unit = float(spec), ""
     else:
@@ -30,10 +31,13 @@ def parse_memory(spec: str | float | int) -> int:
                 raise ValueError
             value, unit = float(m.group(1)), m.group(2).lower()
         except ValueError:  # also a malformed number the loose pattern let through ('1..2GB', '--1')
-            raise ValueError(f"--kv-cache-memory: cannot parse {spec!r}; use e.g. '2GiB', '512MB' or a fraction like 0.2") from None
+            raise ValueError(f"{name}: cannot parse {spec!r}; use e.g. '2GiB', '512MB'"
+                             + (" or a fraction like 0.2" if fraction else "")) from None
     if not 0 < value < float("inf"):  # NaN and inf fail here too
-        raise ValueError(f"--kv-cache-memory must be positive and finite, got {spec!r}")
+        raise ValueError(f"{name} must be positive and finite, got {spec!r}")
     if unit == "" and value <= 1.0:
+        if not fraction:
+            raise ValueError(f"{name}: {spec!r} is not a size; use e.g. '4GiB', '500MB'")
         return int(value * total_memory_bytes())
     return int(value * _UNITS[unit])
 

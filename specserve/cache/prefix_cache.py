@@ -14,6 +14,8 @@ NOTE (invariants, tests/cache/test_prefix_cache.py):
     or later, since hits are whole pages).
 H is BLAKE2b-128 over the parent key and the tokens (vLLM hashes blocks with SHA-256 for the same
 reason: a crafted collision would serve one user's KV to another's prompt).
+With a disk tier (`disk`, cache/disk_tier.py: --prefix-cache-dir) inserted pages are also written to files, and
+`match` reads the pages RAM lacks from them into free pages first, so they are cached like any other.
 """
 from __future__ import annotations
 
@@ -21,9 +23,12 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .allocator import PageAllocator
+
+if TYPE_CHECKING:
+    from .disk_tier import DiskTier
 
 
 def extend_page_keys(tokens: Sequence[int], keys: list[bytes], page_size: int, num_pages: int) -> list[bytes]:
@@ -53,6 +58,7 @@ class CacheStats:
     query_tokens: int = 0  # tokens those lookups asked for
     hit_tokens: int = 0  # tokens served from cached pages
     evictions: int = 0  # cached pages dropped to make room
+    disk_pages: int = 0  # pages read back from the disk tier
 
 
 @dataclass
@@ -66,16 +72,38 @@ class PrefixCache:
         self.by_page: dict[int, _Entry] = {}
         self.lru: OrderedDict[int, _Entry] = OrderedDict()  # reference 0, least recently released first
         self.allocator.reclaimer = self
+        self.disk: DiskTier | None = None
 
     @property
     def num_evictable(self) -> int:
         return len(self.lru)
 
     def match(self, keys: Sequence[bytes]) -> int:
-        """How many leading pages of `keys` are cached (nothing is taken)."""
+        """How many leading pages of `keys` are cached (nothing is taken). With a disk tier, the pages past RAM's
+        that have files are read in first (cached, idle) as far as free pages allow."""
         n = 0
         while n < len(keys) and keys[n] in self.by_key:
             n += 1
+        if self.disk is not None and n < len(keys):
+            n += self._load(keys[:n], keys[n:])
+        return n
+
+    def _load(self, held: Sequence[bytes], keys: Sequence[bytes]) -> int:
+        """Read the leading `keys` the disk tier has into free pages and cache them; returns how many."""
+        want = self.disk.run(keys)
+        if not want:
+            return 0
+        pinned = self.acquire(held)  # NOTE: so that making room below evicts none of the pages matched already
+        fresh: list[int] = []
+        try:
+            fresh = self.allocator.alloc(min(want, self.allocator.num_free))
+            extras = self.disk.load(keys[: len(fresh)], fresh)
+            n = len(extras)
+            for k, p, x in zip(keys, fresh, extras):
+                self.by_key[k] = self.by_page[p] = _Entry(k, p, 1, x)
+            self.stats.disk_pages += n
+        finally:
+            self.release(fresh + pinned)  # read pages join the LRU; pages no file filled go back
         return n
 
     def acquire(self, keys: Sequence[bytes]) -> list[int]:
@@ -99,11 +127,15 @@ class PrefixCache:
         """Cache the caller's `pages` (full, committed) under `keys`; the caller's hold becomes their first
         reference. A key cached already (another request computed the same prefix) leaves the caller's page
         private: it is freed at release."""
+        new = []
         for i, (k, p) in enumerate(zip(keys, pages)):
             if k in self.by_key or p in self.by_page or p < 0:
                 continue
             e = _Entry(k, p, 1, extras[i] if extras is not None else None)
             self.by_key[k] = self.by_page[p] = e
+            new.append(e)
+        if self.disk is not None and new:
+            self.disk.save([e.key for e in new], [e.page for e in new], [e.extra for e in new])
 
     def release(self, pages: Sequence[int]) -> None:
         """The caller lets go of `pages`: cached ones lose a reference (at 0 they join the LRU, still
@@ -128,6 +160,8 @@ class PrefixCache:
             e = self.by_page.get(p)
             if e is not None and e.ref == 1:
                 del self.by_key[e.key], self.by_page[p]
+                if self.disk is not None:
+                    self.disk.discard([e.key])
 
     def evict(self, n: int) -> int:
         """Free up to `n` cached pages nobody holds, least recently released first; returns how many."""

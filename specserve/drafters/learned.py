@@ -90,6 +90,9 @@ class LearnedDrafter(Drafter):
     def cached_prefix(self, req: Request, keys: list[bytes]) -> int:
         return 0 if self.prefix is None else self.prefix.match(keys)
 
+    def prefix_pool(self) -> tuple[KVPool, torch.nn.Module] | None:
+        return None if self.prefix is None else (self.kv, self.net)
+
     def attach_prefix(self, req: Request, keys: list[bytes]) -> None:
         """NOTE: in sync after: covered = done − feature_offset + pending = len(keys) pages."""
         st = self.state[req.request_id] = self._new_state()

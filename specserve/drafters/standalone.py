@@ -62,6 +62,9 @@ class StandaloneDrafter(Drafter):
         if self.runner.states is None:  # NOTE: a recurrent draft state at a page boundary is not kept
             self.prefix = DraftPrefix(self.kv)
 
+    def prefix_pool(self) -> tuple[KVPool, torch.nn.Module] | None:
+        return None if self.prefix is None else (self.kv, self.runner.model)
+
     def attach_prefix(self, req: Request, keys: list[bytes]) -> None:
         st = self._st(req)
         if self.prefix is None or st.page_table:

@@ -1,6 +1,7 @@
 """Build an engine: the config checked and made concrete, then its parts in the order the memory budget is
 spent: target → recurrent-state pool (hybrid targets) → drafter (its KV pool reserved first) → the target's KV
-pool from what is left, and its runner (tensor-parallel: rank 0's) → the window policy, which measures both."""
+pool from what is left, and its runner (tensor-parallel: rank 0's) → the window policy, which measures both →
+with --prefix-cache-dir, the prefix cache's disk tier (its store opened, each pool fingerprinted)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,7 +10,9 @@ from typing import Any
 import torch
 
 from ..cache.budget import KVBudget
+from ..cache.fingerprint import FORMAT_VERSION, target_fingerprint
 from ..cache.kv_pool import KVPool, parse_memory
+from ..cache.page_store import PageStore
 from ..config import EngineConfig
 from ..cost.policy import make_policy, policies
 from ..drafters.artifact import is_drafter_artifact
@@ -31,9 +34,12 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None, tokenize
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     # NOTE: made concrete first: the drafter, the cost curve's cache key and meta read config.quantization
-    draft_ckpt = None
+    draft_ckpt = source = None
+    disk_budget = None if config.prefix_cache_dir is None else \
+        parse_memory(config.value("prefix_cache_disk_budget"), "--prefix-cache-disk-budget", fraction=False)
     if model is None:
         ckpt = open_checkpoint(config.model)
+        source = ckpt.path
         config = replace(config, quantization=default_quantization(ckpt, config.dtype, config.quantization))
         dtype = resolve_dtype(config.dtype, config.quantization)
         # NOTE: one memory check before anything loads: target + draft model + KV pools (target's and draft's)
@@ -47,6 +53,9 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None, tokenize
     elif config.quantization == "none":
         config = replace(config, quantization=None)
     mcfg = model.cfg
+    if config.prefix_cache_dir is not None and mcfg.is_hybrid:
+        raise ValueError(f"--prefix-cache-dir: {mcfg.name or 'this model'} is a hybrid (recurrent) model, which "
+                         "does not cache prefixes (its state at a page boundary is not kept)")
     config = resolve_config(config, mcfg)  # AUTO and the default window made concrete
     max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, model.dtype)
@@ -72,5 +81,9 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None, tokenize
         kv = KVPool(mcfg, pages, config.page_size, kv_dtype)
         runner = ModelRunner(model, kv, states)
     policy = make_policy(window, config, runner if drafter else None, drafter)
-    return Engine(EngineParts(config, model, tokenizer, max_model_len, kv, states, runner, drafter, settings,
-                              policy, tp))
+    engine = Engine(EngineParts(config, model, tokenizer, max_model_len, kv, states, runner, drafter, settings,
+                                policy, tp))
+    if disk_budget is not None and engine.prefix is not None:
+        engine.prefix.use_disk(PageStore(config.prefix_cache_dir, disk_budget, FORMAT_VERSION),
+                               target_fingerprint(model, config.quantization, kv, source))
+    return engine

@@ -103,11 +103,14 @@ class Engine:
         self._after_prefill = False  # a prefill ran since the last decode step (StepStats.after_prefill)
 
     def close(self) -> None:
-        """Release what outlives the engine object: tensor-parallel worker processes; save the drafter's index."""
+        """Release what outlives the engine object: tensor-parallel worker processes; save the drafter's index; the
+        prefix cache's disk writer (its queued pages written first)."""
         if self.drafter is not None:
             self.drafter.save(now=True)
         if self.tp is not None:
             self.tp.close()
+        if self.prefix is not None:
+            self.prefix.close()
 
     # ---- requests ----
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:

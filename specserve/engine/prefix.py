@@ -10,11 +10,16 @@
   insert(req)   its committed full pages enter the cache: after each prefill chunk (so requests that
                 share a prompt with a running one hit it) and when it lets go of its pages (so a
                 conversation's next turn hits its answer, and a preempted request its own work)
+  use_disk(store, fp)  the disk tier (--prefix-cache-dir): the target pool's cache, and the drafter's pool's if
+                it caches pages, also keep their pages as files (cache/disk_tier.py) and read them back at admission
 Hybrid (recurrent-state) targets do not cache: their state at a page boundary is not kept.
 """
 from __future__ import annotations
 
+from ..cache.disk_tier import DiskTier
+from ..cache.fingerprint import Fingerprint, draft_fingerprint
 from ..cache.kv_pool import KVPool
+from ..cache.page_store import PageStore
 from ..cache.prefix_cache import CacheStats, PrefixCache, extend_page_keys
 from ..core import Request
 from ..drafters.base import Drafter
@@ -23,9 +28,24 @@ from ..drafters.base import Drafter
 class PrefixCaching:
     def __init__(self, kv: KVPool, drafter: Drafter | None) -> None:
         self.cache: PrefixCache = kv.prefix_cache or kv.enable_prefix_cache()
-        self.page_size, self.drafter = kv.page_size, drafter
+        self.kv, self.page_size, self.drafter = kv, kv.page_size, drafter
+        self.store: PageStore | None = None
         if drafter is not None:
             drafter.use_prefix_cache()
+
+    def use_disk(self, store: PageStore, fp: Fingerprint) -> None:
+        """Keep cached pages in `store` too: the target pool's under `fp`, a draft pool's under its own."""
+        self.store = store
+        self.cache.disk = DiskTier(store, fp, self.kv)
+        pool = self.drafter.prefix_pool() if self.drafter is not None else None
+        if pool is not None and pool[0].prefix_cache is not None:
+            kv, net = pool
+            kv.prefix_cache.disk = DiskTier(store, draft_fingerprint(fp, self.drafter.label, net, kv), kv)
+
+    def close(self) -> None:
+        """Write the pages still queued for the disk tier (a restart finds them)."""
+        if self.store is not None:
+            self.store.close()
 
     @property
     def stats(self) -> CacheStats:

@@ -36,6 +36,8 @@ class Delta:
     error: str | None = None
     stop_text: str | None = None
     meta: dict[str, Any] | None = None  # request_meta, on the last Delta
+    #: SamplingParams.prompt_logprobs, on the first Delta (the prefill that emits the first token completes them)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -137,11 +139,12 @@ class AsyncEngine:
                 except FatalEngineError:
                     raise
                 except Exception:  # noqa: BLE001 - the measurement is an optimisation: serve without it
-                    log.exception("measuring step costs failed; serving on the curve at hand")
+                    log.exception("idle work failed (step-cost measurement, suffix index save); serving without it")
                     idle_work = False
                 continue
             try:
                 touched = eng.step() if eng.has_unfinished() else []
+                idle_work = idle_work or not eng.has_unfinished()  # idle again: the drafter may save its index
                 if self.metrics:  # before publishing: a client that saw its answer sees the counters too
                     self.metrics.on_step(eng)
                 self._publish(touched)
@@ -246,6 +249,8 @@ class AsyncEngine:
                 continue
             new = r.output_ids[st.sent :]
             d = Delta(st.index, new, r.logprobs[st.sent :] if r.params.logprobs is not None else [])
+            if st.sent == 0 and r.params.prompt_logprobs is not None:
+                d.prompt_logprobs = list(r.prompt_logprobs)
             st.sent = len(r.output_ids)
             self.stats_logger.tokens += len(new)
             if self.metrics:

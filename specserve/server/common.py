@@ -17,6 +17,8 @@ from .async_engine import AsyncEngine, Delta
 from .config import ServerConfig
 from .metrics import Metrics
 from .protocol import ChatMessage, RequestError
+from .tool_parsers import ToolFormat, detect_format, tool_format
+from .tools import ToolPlan, fallback_messages, template_uses_tools
 
 
 class Server:
@@ -39,6 +41,12 @@ class Server:
 
     def default_max_tokens(self) -> int:
         return self.engine.engine.max_model_len
+
+    def tool_format(self) -> ToolFormat:
+        """--tool-call-parser, else the format the chat template writes calls in."""
+        name = self.server_config.tool_call_parser
+        tok = self.tokenizer
+        return tool_format(name) if name else detect_format(tok.chat_template if tok is not None else None)
 
 
 def default_model_name(model: str) -> str:
@@ -80,14 +88,24 @@ def encode_prompts(srv: Server, prompt: Any, field: str = "prompt") -> list[list
     return out
 
 
-def render_chat(srv: Server, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+def render_chat(srv: Server, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                tools: ToolPlan | None = None) -> list[int]:
+    """The prompt: the template gets the tools when it reads them (HF's `tools` variable); otherwise the tools,
+    the history's calls and their results go in as text (tools.fallback_messages)."""
     import jinja2
 
     tok = srv.ready_engine().tokenizer
     if tok is None:
         raise RequestError("messages", "this model has no tokenizer")
+    msgs = [m.as_template_dict() for m in messages]
+    extra = {}
+    if template_uses_tools(tok.chat_template):
+        if tools is not None:
+            extra["tools"] = list(tools.tools)
+    elif tools is not None or any(m.tool_calls or m.role == "tool" for m in messages):
+        msgs = fallback_messages(msgs, tools, srv.tool_format())
     try:
-        text = tok.apply_chat_template([m.as_template_dict() for m in messages], add_generation_prompt)
+        text = tok.apply_chat_template(msgs, add_generation_prompt, **extra)
     except (ValueError, jinja2.TemplateError) as e:
         raise RequestError("messages", f"chat template: {e}") from None
     return tok.encode(text, add_special_tokens=False)
@@ -157,12 +175,14 @@ async def collect(srv: Server, request: Request, q: asyncio.Queue, ids: list[str
         srv.engine.abort(ids)
 
     watcher = asyncio.create_task(watch())
-    out = [{"ids": [], "logprobs": [], "delta": None} for _ in ids]
+    out = [{"ids": [], "logprobs": [], "prompt_logprobs": None, "delta": None} for _ in ids]
     try:
         async for d in deltas(srv, q, ids):
             o = out[d.index]
             o["ids"] += d.token_ids
             o["logprobs"] += d.logprobs
+            if d.prompt_logprobs is not None:
+                o["prompt_logprobs"] = d.prompt_logprobs
             if d.finished:
                 o["delta"] = d
     finally:

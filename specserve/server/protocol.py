@@ -1,18 +1,22 @@
 """Request bodies of the HTTP API (pydantic) and their mapping onto SamplingParams.
 
 Shapes follow the OpenAI API (and vLLM's extras passed through `extra_body`: top_k, min_p,
-repetition_penalty, stop_token_ids, ignore_eos), and structured output: OpenAI `response_format`
-(json_object, json_schema), SGLang's json_schema / regex / ebnf on the native endpoint. Fields we
-cannot honour yet are refused with a 400 naming the field, never silently ignored.
+repetition_penalty, stop_token_ids, ignore_eos, prompt_logprobs), and structured output: OpenAI
+`response_format` (json_object, json_schema), SGLang's json_schema / regex / ebnf on the native endpoint.
+Fields we cannot honour yet are refused with a 400 naming the field, never silently ignored.
 """
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from ..core import SamplingParams
+from .tools import ToolPlan
 
 MAX_LOGPROBS = 20
 _SEED_MAX = 2**63 - 1
@@ -139,7 +143,7 @@ class _SamplingFields(_Knobs):
     include_stop_str_in_output: Hidden[bool] = False
     skip_special_tokens: Hidden[bool] = True
     best_of: Hidden[int | None] = None
-    prompt_logprobs: Hidden[int | None] = None
+    prompt_logprobs: NumLogprobs | None = None  # vLLM: per prompt position the logprob of its token + top-N
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -150,9 +154,13 @@ class _SamplingFields(_Knobs):
             raise RequestError("skip_special_tokens", "only true is supported")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of", "not supported (use n)")
-        if self.prompt_logprobs is not None:
-            raise RequestError("prompt_logprobs", "not supported")
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("prompt_logprobs", "not available when stream is true (as vLLM)")
         _check_repetition_penalty(self.repetition_penalty)
+
+    def _prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: how many alternatives each prompt position needs (None = off)."""
+        return self.prompt_logprobs
 
     def _params(self, max_tokens: int | None, default_max: int, logprobs: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -163,7 +171,8 @@ class _SamplingFields(_Knobs):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, n=self.n,
             logit_bias=_logit_bias(self.logit_bias), min_tokens=self.min_tokens,
-            logprobs=logprobs, response_format=self.response_format.as_dict() if self.response_format else None)
+            logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(),
+            response_format=self.response_format.as_dict() if self.response_format else None)
 
     @property
     def include_usage(self) -> bool:
@@ -182,9 +191,17 @@ class CompletionRequest(_SamplingFields):
             raise RequestError("suffix", "not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise RequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.echo and self.logprobs is not None:
-            raise RequestError("echo", "echo with logprobs needs prompt logprobs, which are not supported")
         return self._params(self.max_tokens, default_max, self.logprobs)
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The logprobs object covers the echoed prompt too (OpenAI, vLLM)."""
+        return self.echo and self.logprobs is not None
+
+    def _prompt_logprobs(self) -> int | None:
+        # echo with logprobs needs the prompt's: enough alternatives for both fields (each response cuts its own)
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
 
 class TextPart(_Body):
@@ -192,10 +209,60 @@ class TextPart(_Body):
     text: str
 
 
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type object (none: no arguments)
+    strict: bool | None = None  # accepted: under required / a named function the grammar always holds the arguments
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class MessageFunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
+
+
+class MessageToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """HF's shape: templates dump `arguments` with tojson, so JSON text becomes the object it spells."""
+        args: Any = self.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass  # not JSON: the template gets the text as it came
+        out: dict[str, Any] = {"type": "function", "function": {"name": self.function.name, "arguments": args}}
+        if self.id is not None:
+            out["id"] = self.id
+        return out
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made (content may be null)
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -204,7 +271,23 @@ class ChatMessage(_Body):
         out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.as_template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def _check_parameters(schema: dict[str, Any], param: str) -> None:
+    """The shape OpenAI requires of a function's `parameters` (whether the rest compiles is the grammar's to say)."""
+    if schema.get("type", "object") != "object":
+        raise RequestError(param, f"must be a JSON schema of type object, got type {schema['type']!r}")
+    props = schema.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(v, (dict, bool)) for v in props.values()):
+        raise RequestError(param, "properties must map names to schemas")
+    req = schema.get("required", [])
+    if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+        raise RequestError(param, "required must be a list of property names")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -212,15 +295,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    tools: Hidden[list[dict[str, Any]] | None] = None
-    tool_choice: Hidden[Any] = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default auto with tools
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     separate_reasoning: bool = True  # SGLang: with --reasoning-parser, false keeps the think block in content
 
     def sampling_params(self, default_max: int) -> SamplingParams:
         self._check_common()
-        if self.tools:
-            raise RequestError("tools", "tool calling is not supported")
+        plan = self.tool_plan()
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise RequestError("top_logprobs", "requires logprobs to be true")
@@ -230,7 +313,47 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError("max_completion_tokens", f"must be an integer >= 1, got {self.max_completion_tokens}")
         lp = (self.top_logprobs or 0) if self.logprobs else None
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(mt, default_max, lp)
+        params = self._params(mt, default_max, lp)
+        try:
+            schema = plan.grammar() if plan is not None else None
+        except ValueError as e:
+            raise RequestError("tools", str(e)) from None
+        if schema is None:
+            return params
+        if params.response_format is not None and params.response_format.get("type") != "text":
+            raise RequestError("tool_choice", "required or a named function cannot be combined with response_format")
+        return replace(params, json_schema=json.dumps(schema))
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The checked tools, tool_choice and tool messages (None: no tools)."""
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise RequestError(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
+            if m.role == "tool" and not m.tool_call_id:
+                raise RequestError(f"messages[{i}].tool_call_id", "required for a tool message")
+        if self.tools is None:
+            if self.tool_choice is not None:
+                raise RequestError("tool_choice", "only allowed when tools are given")
+            return None
+        if not self.tools:
+            raise RequestError("tools", "must not be empty (leave it out for no tools)")
+        names: set[str] = set()
+        for i, t in enumerate(self.tools):
+            f = t.function
+            if not _TOOL_NAME.fullmatch(f.name):
+                raise RequestError(f"tools[{i}].function.name",
+                                   f"must be 1-64 letters, digits, '_', '.' or '-', got {f.name!r}")
+            if f.name in names:
+                raise RequestError(f"tools[{i}].function.name", f"duplicate function name {f.name!r}")
+            names.add(f.name)
+            if f.parameters is not None:
+                _check_parameters(f.parameters, f"tools[{i}].function.parameters")
+        choice = self.tool_choice or "auto"
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        if named is not None and named not in names:
+            raise RequestError("tool_choice", f"function {named!r} is not in tools")
+        return ToolPlan(tuple(t.model_dump(exclude_none=True) for t in self.tools),
+                        "function" if named is not None else str(choice), named, self.parallel_tool_calls)
 
 
 class GenerateSamplingParams(_Knobs):
@@ -249,7 +372,13 @@ class GenerateRequest(_Body):
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     return_logprob: bool = False
     top_logprobs_num: NumLogprobs = 0
+    # SGLang: with return_logprob, the prompt position from which input_token_logprobs start (-1: none)
+    logprob_start_len: Annotated[int, Field(ge=-1)] = -1
     stream: bool = False
+
+    @property
+    def input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
 
     def params(self) -> SamplingParams:
         s = self.sampling_params
@@ -262,6 +391,7 @@ class GenerateRequest(_Body):
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, seed=s.seed, stop=stop, stop_token_ids=tuple(s.stop_token_ids or ()),
             ignore_eos=s.ignore_eos, n=s.n, logprobs=self.top_logprobs_num if self.return_logprob else None,
+            prompt_logprobs=self.top_logprobs_num if self.input_logprobs else None,
             json_schema=s.json_schema, regex=s.regex, ebnf=s.ebnf)
 
 

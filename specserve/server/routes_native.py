@@ -17,15 +17,24 @@ from .text import TextStream, finite, token_str
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
 
-def _logprob_meta(tok: Any, lps: list) -> dict[str, Any]:
-    """SGLang's (logprob, token_id, text) triples."""
-    return {"output_token_logprobs": [[finite(lp.logprob), lp.token_id, token_str(tok, lp.token_id)] for lp in lps],
-            "output_top_logprobs": [[[finite(v), i, token_str(tok, i)] for i, v in lp.top] for lp in lps]}
+def _logprob_meta(tok: Any, lps: list, kind: str = "output", ids: list[int] | None = None) -> dict[str, Any]:
+    """SGLang's (logprob, token_id, text) triples of the output tokens, or (kind "input") of the prompt's from
+    logprob_start_len: the first prompt position has logprob None and top None (`ids`: the tokens of `lps`)."""
+    def triple(logprob: float | None, token_id: int) -> list:
+        return [None if logprob is None else finite(logprob), token_id, token_str(tok, token_id)]
+
+    return {f"{kind}_token_logprobs": [triple(None, ids[j]) if lp is None else triple(lp.logprob, lp.token_id)
+                                       for j, lp in enumerate(lps)],
+            f"{kind}_top_logprobs": [None if lp is None else [triple(v, i) for i, v in lp.top] for lp in lps]}
+
+
+def _input_meta(tok: Any, prompt: list[int], plps: list | None, start: int) -> dict[str, Any]:
+    return _logprob_meta(tok, (plps or [])[start:], "input", prompt[start:])
 
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Any:
-    """{text | input_ids, sampling_params, return_logprob, top_logprobs_num, stream} →
+    """{text | input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len, stream} →
     {text, output_ids, meta_info} (a list when several prompts or n > 1)."""
     srv = server(request)
     tok = srv.ready_engine().tokenizer
@@ -34,42 +43,50 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     params = body.params()
     field = "text" if body.text is not None else "input_ids"
     prompts = encode_prompts(srv, body.text if body.text is not None else body.input_ids, field)
+    if body.input_logprobs and any(body.logprob_start_len >= len(p) for p in prompts):
+        raise RequestError("logprob_start_len", f"must be less than the prompt's length ({min(map(len, prompts))} tokens)")
     seqs = expand(srv, prompts, params, "sampling_params.")
     q, ids = await submit(srv, seqs, "gen", "sampling_params.")
     single = len(seqs) == 1 and (isinstance(body.text, str) or (body.input_ids and isinstance(body.input_ids[0], int)))
     if body.stream:
-        return StreamingResponse(_stream(srv, seqs, q, ids, body.return_logprob), media_type="text/event-stream",
+        return StreamingResponse(_stream(srv, seqs, q, ids, body), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     outs = await collect(srv, request, q, ids)
     results = []
-    for (_, sp), o in zip(seqs, outs):
+    for (p, sp), o in zip(seqs, outs):
         ts = TextStream(tok, sp.stop)
         ts.ids = o["ids"]
         d = o["delta"]
         meta = {**d.meta, "finish_reason": d.finish_reason}
         if body.return_logprob:
             meta.update(_logprob_meta(tok, o["logprobs"]))
+        if body.input_logprobs:
+            meta.update(_input_meta(tok, p, o["prompt_logprobs"], body.logprob_start_len))
         results.append({"text": ts.final_text(d.stop_text), "output_ids": o["ids"], "meta_info": meta})
     return JSONResponse(results[0] if single else results)
 
 
-async def _stream(srv: Server, seqs: list, q: Any, ids: list[str], return_logprob: bool) -> AsyncIterator[str]:
+async def _stream(srv: Server, seqs: list, q: Any, ids: list[str], body: GenerateRequest) -> AsyncIterator[str]:
     """SSE events carry the cumulative text and output_ids of one sequence (SGLang's convention)."""
     tok = srv.tokenizer
     streams = [TextStream(tok, sp.stop) for _, sp in seqs]
     lps: list[list] = [[] for _ in seqs]
+    plps: list[list | None] = [None for _ in seqs]
     async for d in deltas(srv, q, ids):
         ts = streams[d.index]
         ts.step(d.token_ids, d.finished, d.stop_text)
         lps[d.index] += d.logprobs
+        plps[d.index] = d.prompt_logprobs if d.prompt_logprobs is not None else plps[d.index]
         if d.finished:
             if d.finish_reason == "error":
                 yield sse({"error": {"message": d.error, "type": "internal_server_error", "code": 500}})
                 break
         meta = {**(d.meta or {"prompt_tokens": len(seqs[d.index][0]), "completion_tokens": len(ts.ids)}),
                 "finish_reason": d.finish_reason}
-        if return_logprob:
+        if body.return_logprob:
             meta.update(_logprob_meta(tok, lps[d.index]))
+        if body.input_logprobs:
+            meta.update(_input_meta(tok, seqs[d.index][0], plps[d.index], body.logprob_start_len))
         yield sse({"index": d.index, "text": ts.sent, "output_ids": list(ts.ids), "meta_info": meta})
     yield SSE_DONE
 

@@ -1,6 +1,6 @@
 """OpenAI-compatible generation through the official `openai` client: completions and chat, streaming and
-not (stream equals non-stream, raw SSE framing, usage with the speculative extension), logprobs, n and
-seeds, stop strings and stop token ids — greedy output equals the offline engine's.
+not (stream equals non-stream, raw SSE framing, usage with the speculative extension), logprobs, prompt logprobs
+and echo with logprobs, n and seeds, stop strings and stop token ids — greedy output equals the offline engine's.
 """
 from __future__ import annotations
 
@@ -123,6 +123,68 @@ def test_chat_logprobs_shape(client: openai.OpenAI) -> None:
                                               temperature=0, logprobs=True, top_logprobs=2, stream=True)
     tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert tokens == [e.token for e in content]
+
+
+# ---- prompt logprobs and echo -------------------------------------------------------------------------
+def _prompt_ref(model_dir: str, prompt: str | list[int], top_n: int) -> list:
+    """The offline engine's prompt logprobs (its TokenLogprobs) for one prompt."""
+    return LLM(model_dir, dtype="float64").generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=top_n))[0] \
+        .prompt_logprobs
+
+
+def test_prompt_logprobs_shape_and_values(client: openai.OpenAI, model_dir: str) -> None:
+    """vLLM's extra field: per prompt position None (the first) or {token id: {logprob, rank, decoded_token}} for the
+    prompt token and its top-N; on the choice (completions) or beside the choices (chat); the offline engine's."""
+    r = client.completions.create(model="tiny", prompt="w1 w2 w3 w4 w5", max_tokens=3, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    got, ref = r.choices[0].model_extra["prompt_logprobs"], _prompt_ref(model_dir, "w1 w2 w3 w4 w5", 2)
+    assert got[0] is None and len(got) == len(ref) == 5
+    for pos, (g, lp) in enumerate(zip(got[1:], ref[1:]), 1):
+        own = g[str(lp.token_id)]
+        assert own == {"logprob": pytest.approx(lp.logprob, abs=1e-9), "rank": lp.rank, "decoded_token": f"w{pos + 1}"}
+        assert len(g) == 2 + (lp.rank > 2)  # the top 2, and the prompt token when it is not among them
+        tops = sorted((e for k, e in g.items() if k != str(lp.token_id) or lp.rank <= 2), key=lambda e: e["rank"])
+        assert [e["rank"] for e in tops] == [1, 2]
+        assert [e["logprob"] for e in tops] == pytest.approx([v for _, v in lp.top], abs=1e-9)
+    plain = client.completions.create(model="tiny", prompt="w1 w2 w3 w4 w5", max_tokens=3, temperature=0)
+    assert r.choices[0].text == plain.choices[0].text and "prompt_logprobs" not in plain.choices[0].model_extra
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w3 w4"}], max_tokens=2,
+                                          temperature=0, n=2, extra_body={"prompt_logprobs": 0})
+    pl = chat.model_extra["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == chat.usage.prompt_tokens and all(len(e) == 1 for e in pl[1:])
+
+
+@pytest.mark.parametrize("body,field", [({"prompt_logprobs": 21}, "prompt_logprobs"),
+                                        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+                                        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")])
+def test_prompt_logprobs_errors_name_the_field(srv: ServerThread, body: dict, field: str) -> None:
+    for path, base in (("/v1/completions", {"prompt": "w1 w2"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}]})):
+        r = httpx.post(f"{srv.url}{path}", json={**base, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_echo_with_logprobs_covers_the_prompt(client: openai.OpenAI, model_dir: str) -> None:
+    """OpenAI's echo + logprobs: the prompt's tokens first (the first with null logprob and top_logprobs), text
+    offsets continuous from 0; streamed, the chunks join to the same object."""
+    kw = dict(model="tiny", prompt="w1 w2 w3 w4", max_tokens=6, temperature=0, logprobs=2)
+    plain = client.completions.create(**kw).choices[0]
+    r = client.completions.create(**kw, echo=True).choices[0]
+    lp, ref = r.logprobs, _prompt_ref(model_dir, "w1 w2 w3 w4", 2)
+    assert r.text == "w1 w2 w3 w4" + plain.text
+    assert lp.tokens == ["w1", "w2", "w3", "w4"] + plain.logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:4] == pytest.approx([x.logprob for x in ref[1:]], abs=1e-9)
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    # the output's as without echo (to rounding: the first token's row came from a forward of more rows)
+    assert lp.token_logprobs[4:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-9)
+    assert [list(t) for t in lp.top_logprobs[4:]] == [list(t) for t in plain.logprobs.top_logprobs]
+    assert lp.text_offset == [sum(map(len, lp.tokens[:k])) for k in range(len(lp.tokens))]
+    chunks = list(client.completions.create(**kw, echo=True, stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert _text(chunks) == r.text
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for p in parts for x in getattr(p, name)] == getattr(lp, name)
 
 
 # ---- n, seeds, stop ---------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Server routes beyond generation: Prometheus metrics count exactly what a speculative request reports, /v1/models,
-/server_info, /tokenize and /detokenize, and the native /generate route (single, batched, streamed).
+/server_info, /tokenize and /detokenize, and the native /generate route (single, batched, streamed, prompt logprobs).
 """
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 
 import httpx
 import openai
+import pytest
 
 from tests.server_fixtures import client, model_dir, srv  # noqa: F401, F811  (fixtures)
 from tests.server_utils import ServerThread, scrape, sse_events
@@ -75,3 +76,29 @@ def test_native_generate(client: openai.OpenAI, srv: ServerThread) -> None:
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["text"] == ref and last["meta_info"]["finish_reason"] == "length"
+
+
+def test_native_generate_input_logprobs(srv: ServerThread, model_dir: str) -> None:
+    """SGLang's logprob_start_len: meta_info.input_token_logprobs [[logprob, id, text]] from that prompt position
+    (logprob None at position 0) and input_top_logprobs, the offline engine's prompt logprobs; streamed too."""
+    from specserve import LLM, SamplingParams
+
+    ids = [1, 2, 3, 4, 5]
+    ref = LLM(model_dir, dtype="float64").generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "return_logprob": True,
+            "top_logprobs_num": 2}
+    assert "input_token_logprobs" not in httpx.post(f"{srv.url}/generate", json=body, timeout=60).json()["meta_info"]
+    for start in (0, 3):
+        meta = httpx.post(f"{srv.url}/generate", json={**body, "logprob_start_len": start}, timeout=60).json()["meta_info"]
+        got, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+        assert [x[1:] for x in got] == [[t, f"w{t}"] for t in ids[start:]] and len(tops) == len(got)
+        for (v, _, _), top, lp in zip(got, tops, ref.prompt_logprobs[start:]):
+            if lp is None:
+                assert v is None and top is None
+            else:
+                assert v == pytest.approx(lp.logprob, abs=1e-9) and [x[1] for x in top] == [i for i, _ in lp.top]
+    events = sse_events(httpx.post(f"{srv.url}/generate", json={**body, "logprob_start_len": 0, "stream": True},
+                                   timeout=60).text)
+    assert [x[1] for x in json.loads(events[-2])["meta_info"]["input_token_logprobs"]] == ids
+    bad = httpx.post(f"{srv.url}/generate", json={**body, "logprob_start_len": 5}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprob_start_len"

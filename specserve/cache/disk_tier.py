@@ -84,9 +84,9 @@ class DiskTier:
             return
         index = torch.tensor([p for _, p, _ in todo])
         # NOTE: copied now: a cached page is never written again, but once evicted it is reused
-        rows = [c.index_select(1, index) for c in self.caches]  # each [kv_heads, pages, row, head_dim]
+        rows = [c.index_select(1, index).unbind(1) for c in self.caches]  # per K/V, per page: [kv_heads, row, head_dim]
         for j, (k, _, tail) in enumerate(todo):
-            if self.store.put(self.ns, k, [r[:, j] for r in rows] + tail):
+            if self.store.put(self.ns, k, [r[j] for r in rows] + tail):
                 self.stats.saved += 1
         self.stats.save_s += time.perf_counter() - t0
 

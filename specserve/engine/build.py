@@ -84,6 +84,10 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None, tokenize
     engine = Engine(EngineParts(config, model, tokenizer, max_model_len, kv, states, runner, drafter, settings,
                                 policy, tp))
     if disk_budget is not None and engine.prefix is not None:
-        engine.prefix.use_disk(PageStore(config.prefix_cache_dir, disk_budget, FORMAT_VERSION),
-                               target_fingerprint(model, config.quantization, kv, source))
+        try:
+            store = PageStore(config.prefix_cache_dir, disk_budget, FORMAT_VERSION)
+        except OSError as e:
+            engine.close()
+            raise ValueError(f"--prefix-cache-dir {config.prefix_cache_dir}: {e.strerror or e}") from None
+        engine.prefix.use_disk(store, target_fingerprint(model, config.quantization, kv, source))
     return engine

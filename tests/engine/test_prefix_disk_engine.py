@@ -172,6 +172,9 @@ def test_the_flags_are_refused_where_they_cannot_apply(tmp_path: Path) -> None:
         LLM.from_model(tiny_model("llama"), prefix_cache_dir=d, prefix_cache_disk_budget="0.5")
     with pytest.raises(ValueError, match="--prefix-cache-dir.*hybrid"):
         LLM.from_model(tiny_hybrid(), prefix_cache_dir=d)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="--prefix-cache-dir .*file"):  # not a directory
+        LLM.from_model(tiny_model("llama"), prefix_cache_dir=str(tmp_path / "file"))
     env = EngineConfig.from_sources({}, {"SPECSERVE_PREFIX_CACHE_DIR": d, "SPECSERVE_PREFIX_CACHE_DISK_BUDGET": "2GB"})
     assert (env.prefix_cache_dir, env.prefix_cache_disk_budget) == (d, "2GB")
     assert EngineConfig().value("prefix_cache_disk_budget") == "4GiB"

@@ -37,7 +37,7 @@ log = logging.getLogger("specserve")
 
 MAGIC = b"SSKV"
 HEADER = struct.Struct("<4sI16s16sQI")  # magic, format version, namespace, key, payload bytes, payload CRC-32
-MAX_PENDING = 512 << 20  # bytes queued for writing at most
+MAX_PENDING = 256 << 20  # bytes queued for writing at most (a 4k-token prefix of SmolLM2 or Qwen2.5-1.5B fits)
 _STALE_TMP_S = 3600.0  # a temporary file this old is a crashed writer's
 
 
@@ -85,7 +85,7 @@ class PageStore:
         self._queued: set[tuple[bytes, bytes]] = set()
         self._discarded: set[tuple[bytes, bytes]] = set()  # queued, then discarded: not to be kept once written
         self._pending = 0  # bytes queued
-        self._warned_full = False
+        self._warned_full = self._closed = False
         self._scan()
         self._jobs: queue.Queue[tuple[bytes, bytes, list[Part], int] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._writer, name="specserve-prefix-disk", daemon=True)
@@ -208,7 +208,7 @@ class PageStore:
         """Queue the page (payload: `parts` back to back, tensors as their raw bytes); False if skipped."""
         n = sum(len(p) if isinstance(p, bytes) else p.numel() * p.element_size() for p in parts)
         with self._lock:
-            if (ns, key) in self._files or (ns, key) in self._queued:
+            if self._closed or (ns, key) in self._files or (ns, key) in self._queued:
                 return False
             if self._pending + n > MAX_PENDING:
                 self.stats.dropped += 1
@@ -230,7 +230,7 @@ class PageStore:
                     return
                 try:
                     self._write(*job)
-                except OSError as e:
+                except Exception as e:  # noqa: BLE001 - the writer must outlive any page (flush waits on it)
                     self.stats.dropped += 1
                     log.warning("prefix cache dir: cannot write a page (%s)", e)
             finally:
@@ -273,7 +273,9 @@ class PageStore:
         self._jobs.join()
 
     def close(self) -> None:
-        """Write what is queued, stop the writer thread."""
+        """Write what is queued, stop the writer thread; later puts are refused."""
+        with self._lock:
+            self._closed = True
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from specserve.cache.disk_tier import LOAD_CHUNK, DiskTier
 from specserve.cache.fingerprint import Fingerprint, target_fingerprint, weights_digest
 from specserve.cache.kv_pool import KVPool, parse_memory
+from specserve.cache import page_store
 from specserve.cache.page_store import HEADER, PageStore
 from specserve.formats.quant import quantize_model
 from tests.tiny import tiny_config, tiny_model
@@ -102,6 +104,21 @@ def test_discard_stops_a_queued_write(tmp_path: Path) -> None:
     s.flush()
     assert not s.has(NS, key(1)) and not s.path(NS, key(1)).exists()
     s.close()
+
+
+def test_a_full_write_queue_drops_pages_instead_of_waiting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(page_store, "MAX_PENDING", 1500)
+    s = PageStore(tmp_path, 1 << 20, version=1)
+    go, write = threading.Event(), s._write
+    monkeypatch.setattr(s, "_write", lambda *job: (go.wait(), write(*job)))  # a disk slower than the engine
+    caplog.set_level(logging.WARNING, logger="specserve")
+    assert s.put(NS, key(1), [payload(1)]) and not s.put(NS, key(2), [payload(2)])
+    assert "wait to be written" in caplog.text and s.stats.dropped == 1
+    go.set()
+    s.close()
+    assert s.has(NS, key(1)) and not s.has(NS, key(2))
+    assert not s.put(NS, key(3), [payload(3)])  # closed: nothing would write it
 
 
 def pool(cfg=None, pages: int = 12, dtype: torch.dtype = torch.float64) -> KVPool:  # noqa: ANN001

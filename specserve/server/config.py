@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..config import EngineConfig, _f
 from ..flags import add_engine_args
 from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSER_NAMES
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class ServerConfig:
     max_sequences_per_request: int = _f(256, "max prompts x n in one request (larger requests get a 400)")
     reasoning_parser: str | None = _f(None, "move a thinking model's <think> block from the chat answer's content into "
                                       "reasoning_content (SGLang's names)", tuple(REASONING_PARSERS))
+    tool_call_parser: str | None = _f(None, "how chat answers write tool calls (SGLang's names; vLLM's hermes and "
+                                      "llama3_json too); default: read from the chat template", TOOL_PARSER_NAMES)
 
     # NOTE: the very same merge as the engine's (explicit > SPECSERVE_* env > default).
     from_sources = EngineConfig.__dict__["from_sources"]
@@ -33,6 +36,9 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser: unknown {self.reasoning_parser!r}; choose one of "
                              f"{', '.join(REASONING_PARSERS)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSER_NAMES:
+            raise ValueError(f"--tool-call-parser: unknown {self.tool_call_parser!r}; choose one of "
+                             f"{', '.join(TOOL_PARSER_NAMES)}")
         if self.max_sequences_per_request < 1:
             raise ValueError(f"--max-sequences-per-request must be >= 1, got {self.max_sequences_per_request}")
 

@@ -30,7 +30,7 @@ REASONING_PARSERS: dict[str, ReasoningFormat] = {
 }
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (a tag split across chunks)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -61,7 +61,7 @@ class ReasoningSplitter:
             elif self.state == "reasoning":
                 i = self.buf.find(self.fmt.end)
                 if i < 0:
-                    keep = _partial_tail(self.buf, self.fmt.end)
+                    keep = partial_tail(self.buf, self.fmt.end)
                     reasoning += self.buf[: len(self.buf) - keep]
                     self.buf = self.buf[len(self.buf) - keep:]
                     break

@@ -6,8 +6,9 @@ namespace, key, payload length, CRC-32 of the payload), then the payload.
   put(ns, key, parts)   queue a page for the writer thread (the engine thread only hands over buffers); a page
                         whose file exists or is queued is skipped, and past MAX_PENDING queued bytes a page is
                         dropped rather than stall the engine or hold more memory
-  get(ns, key, into)    read the payload's first len(into) bytes into `into` and return the rest, all checked, or
-                        None; touches the file (least recently used order survives a restart: it is the mtime)
+  get(ns, key, into)    scatter the payload's first bytes into the buffers `into` (one preadv) and return the
+                        rest, all checked, or None; touches the file (least recently used order survives a
+                        restart: it is the mtime)
   has / discard / reject / flush / close
 Each file is written to a temporary name and renamed into place, so no reader sees a partial file. Past the
 budget the least recently used files are deleted, whatever their namespace (a model no longer served ages out).
@@ -30,6 +31,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -152,24 +154,32 @@ class PageStore:
         self.discard(ns, key)
 
     # ---- reading ----
-    def get(self, ns: bytes, key: bytes, into: memoryview) -> bytes | None:
-        """Read the page's payload: its first len(into) bytes into `into` (no copy in between), the rest returned;
-        header and checksum checked (None: a miss, or a file that failed and is gone)."""
+    def get(self, ns: bytes, key: bytes, into: Sequence[memoryview]) -> bytes | None:
+        """Read the page's payload: its first bytes scattered into the buffers `into`, in order (no copy in
+        between), the rest returned; header and checksum checked (None: a miss, or a file that failed and is gone)."""
         if not self.has(ns, key):
             return None
         t0 = time.perf_counter()
         path = self.path(ns, key)
+        least = sum(len(b) for b in into)
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                why, crc = self._check(f.read(HEADER.size), size, ns, key, len(into))
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                why, crc = self._check(os.pread(fd, HEADER.size, 0), size, ns, key, least)
                 if why is None:
-                    got = f.readinto(into)
-                    tail = f.read()
+                    got = os.preadv(fd, into, HEADER.size)
+                    tail = os.pread(fd, size - HEADER.size - least, HEADER.size + least)
                     if got + len(tail) != size - HEADER.size:
                         why = f"changed while read ({got + len(tail)} payload bytes of {size - HEADER.size})"
-                    elif zlib.crc32(tail, zlib.crc32(into[:got])) != crc:
-                        why = "fails its checksum"
+                    else:
+                        c = 0
+                        for b in into:
+                            c = zlib.crc32(b, c)
+                        if zlib.crc32(tail, c) != crc:
+                            why = "fails its checksum"
+            finally:
+                os.close(fd)
         except FileNotFoundError:  # deleted meanwhile (another process's budget): a miss
             self._forget(ns, key)
             return None

@@ -32,9 +32,9 @@ def payload(i: int, n: int = 1000) -> bytes:
 
 
 def read(store: PageStore, k: bytes, n: int = 1000, ns: bytes = NS) -> bytes | None:
-    buf = bytearray(n)
-    tail = store.get(ns, k, memoryview(buf))
-    return None if tail is None else bytes(buf) + tail
+    bufs = [bytearray(n // 2), bytearray(n - n // 2)]  # scattered into two
+    tail = store.get(ns, k, [memoryview(b) for b in bufs])
+    return None if tail is None else bytes(bufs[0]) + bytes(bufs[1]) + tail
 
 
 def test_store_round_trip_and_every_damage_is_a_logged_miss(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

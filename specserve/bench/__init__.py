@@ -1,13 +1,14 @@
-"""`specserve bench {accept,speed,real,serving,verify,quality,gemm,step,prefix}`: acceptance tables, speed against
-baselines, a real GGUF against llama.cpp (load, memory, decode, prefill), serving load, ragged verify cost,
-quantized-model drift, quantized GEMM timings, step-time breakdown, the prefix cache on multi-turn chat."""
+"""`specserve bench {accept,speed,real,serving,agentic,verify,quality,gemm,step,prefix}`: acceptance tables, speed
+against baselines, a real GGUF against llama.cpp (load, memory, decode, prefill), serving load, a coding agent's
+recorded tool loop replayed against servers, ragged verify cost, quantized-model drift, quantized GEMM timings,
+step-time breakdown, the prefix cache on multi-turn chat."""
 from __future__ import annotations
 
 import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from . import accept, gemm, prefix, quality, real, serving, speed, step_time, verify_cost
+    from . import accept, agentic, gemm, prefix, quality, real, serving, speed, step_time, verify_cost
 
     b = sub.add_parser("bench", help="benchmarks: acceptance per workload, speed vs baselines")
     bs = b.add_subparsers(dest="bench_command", required=True)
@@ -16,6 +17,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     real.add_args(bs.add_parser("real", help="a real GGUF vs llama.cpp, one process each: load, peak RSS, decode, "
                                             "GB/s, prefill"))
     serving.add_args(bs.add_parser("serving", help="load generator against an OpenAI-compatible server"))
+    agentic.add_args(bs.add_parser("agentic", help="a coding agent's tool loop: record it, replay it against servers"))
     verify_cost.add_args(bs.add_parser("verify", help="ragged verify forward: compact vs padded packing"))
     quality.add_args(bs.add_parser("quality", help="quantized modes vs fp32: top-1 agreement and perplexity"))
     gemm.add_args(bs.add_parser("gemm", help="quantized GEMM timings per token count at the model's shapes"))
@@ -24,10 +26,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench(a: argparse.Namespace) -> None:
-    from . import accept, gemm, prefix, quality, real, serving, speed, step_time, verify_cost
+    from . import accept, agentic, gemm, prefix, quality, real, serving, speed, step_time, verify_cost
 
     try:
-        {"accept": accept.run, "speed": speed.run, "real": real.run, "serving": serving.run, "verify": verify_cost.run,
+        {"accept": accept.run, "speed": speed.run, "real": real.run, "serving": serving.run, "agentic": agentic.run, "verify": verify_cost.run,
          "quality": quality.run, "gemm": gemm.run, "step": step_time.run,
          "prefix": prefix.run}[a.bench_command](a)
     except (ValueError, FileNotFoundError) as e:

@@ -53,9 +53,11 @@ class Drafter(ABC):
     #: the `cost` policy's gate measures and opens each source on its own
     sources: tuple[str, ...] = ("draft",)
 
-    def draft_source(self, req: Request) -> str:
+    def draft_source(self, req: Request, model: bool = True) -> str:
         """Which of `sources` would draft for `req` this step (decided from committed tokens only: the draft
-        stage asks before drafting and hands the answer back in the plan)."""
+        stage asks before drafting and hands the answer back in the plan). `model` False: the draft stage turned
+        the drafter's draft model off for req, so a source without a forward must answer (drafting nothing is
+        allowed)."""
         return self.sources[-1]
 
     def prefill(self, chunks: list[tuple[Request, int, int]], feats: list[torch.Tensor] | None = None) -> None:

@@ -7,8 +7,8 @@ Prompt lookup: the tokens that followed the most recent earlier occurrence of th
 the same per request from an index it extends with the tokens committed since its last call (O(max_match) per step
 instead of a scan of the context: 50 µs per request and step at 300 tokens, a few % of a batch-16 step).
 
-The index learns from each request as it finishes (its prompt past the prefix-cache hit, which earlier requests
-already wrote, and its output); an error or a preemption teaches it nothing. With --prefix-cache-dir it is saved
+The index learns each request's prompt at its first decode step (past the prefix-cache hit, which earlier requests
+already wrote) and its output when it finishes; an error or a preemption adds no output. With --prefix-cache-dir it is saved
 there (in idle time and at shutdown) and reloaded at start, keyed by the vocabulary fingerprint.
 """
 from __future__ import annotations
@@ -94,31 +94,50 @@ class Lookups:
         self.own, self.index, self.path = own, index, path
         self.names: tuple[str, ...] = ("lookup", "suffix") if index is not None else ("lookup",)
         self._saved = time.monotonic()
-        self._match: dict[str, tuple[int, list[int]]] = {}  # request id → (context length, its suffix draft)
+        self._match: dict[str, tuple[int, list[int], int]] = {}  # request id → (context length, suffix draft, match)
+        self._indexed: set[str] = set()  # requests whose prompt is in the index
 
     def source(self, req: Request) -> str | None:
-        """The first source with a continuation for req's committed context, or None."""
+        """The source with a continuation for req's committed context, or None: the suffix index where it matches
+        longer than prompt lookup can (a long match picks the right one of a repeated phrase's continuations),
+        else prompt lookup, else the suffix index."""
+        suffix, matched = self._suffix(req)
+        if suffix and matched > self.own.max_match:
+            return "suffix"
         if self.own(req, 1):
             return "lookup"
-        return "suffix" if self._suffix(req, 1) else None
+        return "suffix" if suffix else None
 
     def draft(self, req: Request, source: str, k: int) -> list[int]:
-        return self.own(req, k) if source == "lookup" else self._suffix(req, k)
+        return self.own(req, k) if source == "lookup" else self._suffix(req)[0][:k]
 
-    def _suffix(self, req: Request, k: int) -> list[int]:
-        """The index's draft, walked once per step to its full depth: `source` asks, `draft` takes a prefix."""
+    def _suffix(self, req: Request) -> tuple[list[int], int]:
+        """The index's draft at its full depth and the match it continues, walked once per step (`source` asks,
+        `draft` takes a prefix). A request's prompt joins the index here, at its first decode step, so requests
+        running side by side (and the request itself) draft from each other's prompts."""
         if self.index is None:
-            return []
+            return [], 0
+        if req.request_id not in self._indexed:
+            self._indexed.add(req.request_id)
+            self.index.add(req.prompt_ids[req.cached_tokens or 0:])
         got = self._match.get(req.request_id)
         if got is None or got[0] != req.seq_len:
-            got = self._match[req.request_id] = (req.seq_len, self.index.draft(req.all_ids, MAX_MATCH))
-        return got[1][:k]
+            got = self._match[req.request_id] = (req.seq_len, *self.index.draft_match(req.all_ids, MAX_MATCH))
+        return got[1], got[2]
 
     def release(self, req: Request) -> None:
+        """Forget req's lookups; a request that finished (not failed, not preempted) adds its output, after its
+        prompt's last tokens (the context a later request matches it from), or whole when its prompt never joined
+        (past its prefix-cache hit: the request that cached those pages added them)."""
         self.own.release(req)
         self._match.pop(req.request_id, None)
-        if self.index is not None and req.finish_reason not in (None, "error"):
-            self.index.add(req.prompt_ids[req.cached_tokens or 0:] + req.output_ids)
+        if self.index is None or req.finish_reason is None:
+            return
+        admitted = req.request_id in self._indexed
+        self._indexed.discard(req.request_id)
+        if req.finish_reason != "error":
+            head = req.prompt_ids[-MAX_MATCH:] if admitted else req.prompt_ids[req.cached_tokens or 0:]
+            self.index.add(head + req.output_ids)
 
     def save(self, now: bool = False) -> None:
         """Write the index where it persists if it changed: at most every SAVE_INTERVAL seconds, unless `now`."""

@@ -29,7 +29,7 @@ class NgramDrafter(Drafter):
             # NOTE: a table draft costs microseconds: draft the whole window, let the policy cut by confidence
             self.drafts_whole_window = True
 
-    def draft_source(self, req: Request) -> str:
+    def draft_source(self, req: Request, model: bool = True) -> str:
         if len(self.sources) == 1:
             return self.sources[0]
         return self.lookups.source(req) or self.sources[-1]

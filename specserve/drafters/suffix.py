@@ -40,11 +40,25 @@ _M64 = (1 << 64) - 1
 FORMAT = 1
 
 
-def _anchor_hash(toks: list[int] | np.ndarray) -> int:
+_MIX = 0x9E3779B97F4A7C15
+
+
+def _anchor_hash(toks: list[int]) -> int:
+    """The hash of ANCHOR tokens (as `_anchor_hashes` computes it at every position)."""
     h = 0
     for t in toks:
         h = (h * _P + int(t) + 1) & _M64
-    return (h * 0x9E3779B97F4A7C15) & _M64
+    return (h * _MIX) & _M64
+
+
+def _anchor_hashes(ids: np.ndarray) -> np.ndarray:
+    """_anchor_hash of ids[i - ANCHOR + 1 .. i] for every i ≥ ANCHOR − 1 (uint64 arithmetic wraps as & _M64)."""
+    n = len(ids) - ANCHOR + 1
+    h = np.zeros(n, np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(ANCHOR):
+            h = h * np.uint64(_P) + ids[j : j + n].astype(np.uint64) + np.uint64(1)
+        return h * np.uint64(_MIX)
 
 
 class SuffixIndex:
@@ -52,8 +66,8 @@ class SuffixIndex:
         self.capacity, self.fingerprint = capacity, fingerprint
         self.tokens = np.full(capacity, _SEP, np.int32)
         self.prev = np.full(capacity, -1, np.int64)
-        self.buckets = 1 << max(4, (2 * capacity - 1).bit_length())  # ≥ 2 × capacity: short chains
-        self.head = np.full(self.buckets, -1, np.int64)
+        self.bits = max(4, (2 * capacity - 1).bit_length())  # ≥ 2 × capacity buckets: short chains
+        self.head = np.full(1 << self.bits, -1, np.int64)
         self.end = 0  # absolute position one past the last token written
         self.documents = 0
         self.dirty = False  # changed since the last save
@@ -62,71 +76,73 @@ class SuffixIndex:
     def nbytes(self) -> int:
         return self.tokens.nbytes + self.prev.nbytes + self.head.nbytes
 
-    def _live(self, p: int) -> bool:
-        return max(0, self.end - self.capacity) <= p < self.end
-
-    def _tok(self, p: int) -> int:
-        return int(self.tokens[p % self.capacity])
+    def _bucket(self, h: int | np.ndarray) -> int | np.ndarray:
+        return h >> (64 - self.bits) if isinstance(h, int) else (h >> np.uint64(64 - self.bits)).astype(np.int64)
 
     def add(self, ids: list[int]) -> None:
-        """Index one document (a finished request's prompt and output). A document longer than the ring keeps its
-        end."""
+        """Index one document (a prompt, or a finished request's output after its prompt's last tokens). A document
+        longer than the ring keeps its end."""
         ids = ids[-(self.capacity - 1):]
         if len(ids) <= ANCHOR:
             return
-        for i, t in enumerate(ids):
-            p = self.end + i
-            self.tokens[p % self.capacity] = t
-            if i >= ANCHOR - 1:
-                b = _anchor_hash(ids[i - ANCHOR + 1 : i + 1]) & (self.buckets - 1)
-                self.prev[p % self.capacity] = self.head[b]
-                self.head[b] = p
-        self.end += len(ids)
-        self.tokens[self.end % self.capacity] = _SEP
-        self.prev[self.end % self.capacity] = -1
+        arr, cap = np.asarray(ids, np.int64), self.capacity
+        self.tokens[(self.end + np.arange(len(arr))) % cap] = arr
+        # chain every position with a whole anchor under its bucket, in position order: sorted by (bucket,
+        # position), each links to the one before it in its bucket, the first to the bucket's old head
+        pos = self.end + np.arange(ANCHOR - 1, len(arr))
+        b = self._bucket(_anchor_hashes(arr))
+        order = np.lexsort((pos, b))
+        bs, ps = b[order], pos[order]
+        new = np.r_[True, bs[1:] != bs[:-1]]
+        links = np.r_[-1, ps[:-1]]
+        links[new] = self.head[bs[new]]
+        self.prev[ps % cap] = links
+        self.head[bs[np.r_[new[1:], True]]] = ps[np.r_[new[1:], True]]
+        self.end += len(arr)
+        self.tokens[self.end % cap] = _SEP
+        self.prev[self.end % cap] = -1
         self.end += 1
         self.documents += 1
         self.dirty = True
-
-    def _match_len(self, ctx: list[int], p: int) -> int:
-        """How many of the context's last tokens equal the tokens ending at position p (≤ MAX_MATCH)."""
-        n = 0
-        lo = max(0, self.end - self.capacity)
-        while n < MAX_MATCH and n < len(ctx) and p - n >= lo:
-            t = self._tok(p - n)
-            if t != ctx[-1 - n]:
-                break
-            n += 1
-        return n
 
     def match(self, ctx: list[int]) -> tuple[int, list[int]]:
         """(the longest match length, the positions ending a match of that length, most recent first)."""
         if len(ctx) < ANCHOR or self.end == 0:
             return 0, []
-        p = int(self.head[_anchor_hash(ctx[-ANCHOR:]) & (self.buckets - 1)])
-        best, ends = 0, []
-        for _ in range(MAX_CANDIDATES):
-            if p < 0 or not self._live(p):
-                break
-            n = self._match_len(ctx, p)
-            if n >= ANCHOR and p + 1 < self.end and self._tok(p + 1) != _SEP:
-                if n > best:
-                    best, ends = n, [p]
-                elif n == best:
-                    ends.append(p)
-            p = int(self.prev[p % self.capacity])
-        return best, ends
+        lo, cap = max(0, self.end - self.capacity), self.capacity
+        cands, p = [], int(self.head[self._bucket(_anchor_hash(ctx[-ANCHOR:]))])
+        while p >= lo and len(cands) < MAX_CANDIDATES:  # NOTE: a chain runs to older positions: stop at the evicted
+            cands.append(p)
+            p = int(self.prev[p % cap])
+        if not cands:
+            return 0, []
+        # every candidate's match length at once: the tokens ending at each, against the context's last ones
+        m = min(MAX_MATCH, len(ctx))
+        pos = np.asarray(cands, np.int64)[:, None] - np.arange(m)
+        same = (self.tokens[pos % cap] == np.asarray(ctx[-m:][::-1], np.int64)) & (pos >= lo)
+        lengths = np.where(same.all(1), m, same.argmin(1))
+        nxt = np.asarray(cands, np.int64) + 1
+        ok = (lengths >= ANCHOR) & (nxt < self.end) & (self.tokens[nxt % cap] != _SEP)
+        if not ok.any():
+            return 0, []
+        best = int(lengths[ok].max())
+        return best, [c for c, n, o in zip(cands, lengths.tolist(), ok.tolist()) if o and n == best]
 
     def draft(self, ctx: list[int], k: int) -> list[int]:
         """Up to k tokens continuing `ctx` as the past requests that match it longest continued it."""
+        return self.draft_match(ctx, k)[0]
+
+    def draft_match(self, ctx: list[int], k: int) -> tuple[list[int], int]:
+        """`draft`, and the length of the match it continues."""
         best, voters = self.match(ctx)
         depth = min(k, int(DEPTH_PER_MATCH * best))
         out: list[int] = []
+        toks = self.tokens
         while voters and len(out) < depth:
             nxt: dict[int, list[int]] = {}
-            for p in voters:
+            for p in voters:  # NOTE: live: a voter's successor is newer than the voter
                 q = p + 1
-                if q < self.end and self._live(q) and (t := self._tok(q)) != _SEP:
+                if q < self.end and (t := int(toks[q % self.capacity])) != _SEP:
                     nxt.setdefault(t, []).append(q)
             if not nxt:
                 break
@@ -135,7 +151,7 @@ class SuffixIndex:
                 break
             out.append(tok)
             voters = follow
-        return out
+        return out, best
 
     # ---- persistence ----
     def save(self, path: Path) -> None:
@@ -157,7 +173,7 @@ class SuffixIndex:
             return idx
         try:
             with np.load(path, allow_pickle=False) as z:
-                meta, fp = z["meta"].tolist(), str(z["fingerprint"])
+                meta, fp = z["meta"].tolist(), str(z["fingerprint"])  # [format, capacity, end, documents, anchor]
                 if meta[0] != FORMAT or meta[1] != capacity or meta[4] != ANCHOR or fp != fingerprint:
                     log.warning("suffix index %s was built for another vocabulary or layout: starting empty", path)
                     return idx

@@ -18,7 +18,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 from .protocol import ChatMessage, RequestError
 from .tool_parsers import ToolFormat, detect_format, tool_format
-from .tools import ToolPlan, fallback_messages, template_uses_tools
+from .tools import ToolPlan, chat_prompt
 
 
 class Server:
@@ -97,15 +97,9 @@ def render_chat(srv: Server, messages: list[ChatMessage], add_generation_prompt:
     tok = srv.ready_engine().tokenizer
     if tok is None:
         raise RequestError("messages", "this model has no tokenizer")
-    msgs = [m.as_template_dict() for m in messages]
-    extra = {}
-    if template_uses_tools(tok.chat_template):
-        if tools is not None:
-            extra["tools"] = list(tools.tools)
-    elif tools is not None or any(m.tool_calls or m.role == "tool" for m in messages):
-        msgs = fallback_messages(msgs, tools, srv.tool_format())
     try:
-        text = tok.apply_chat_template(msgs, add_generation_prompt, **extra)
+        text = chat_prompt(tok, [m.as_template_dict() for m in messages], add_generation_prompt, tools,
+                           srv.tool_format())
     except (ValueError, jinja2.TemplateError) as e:
         raise RequestError("messages", f"chat template: {e}") from None
     return tok.encode(text, add_special_tokens=False)

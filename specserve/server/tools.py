@@ -108,6 +108,19 @@ def fallback_messages(messages: list[dict[str, Any]], plan: ToolPlan | None, fmt
     return out
 
 
+def chat_prompt(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, plan: ToolPlan | None,
+                fmt: ToolFormat) -> str:
+    """The prompt text of template-shaped messages: the template gets the tools when it reads them (HF's `tools`
+    variable); otherwise the tools, the history's calls and their results go in as text (fallback_messages)."""
+    extra: dict[str, Any] = {}
+    if template_uses_tools(tok.chat_template):
+        if plan is not None:
+            extra["tools"] = list(plan.tools)
+    elif plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = fallback_messages(messages, plan, fmt)
+    return tok.apply_chat_template(messages, add_generation_prompt, **extra)
+
+
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 

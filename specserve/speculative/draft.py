@@ -8,8 +8,8 @@ to what is verified. It owns the plan as the commit stage owns what is committed
            every cut (speculative/grammar.py), credited to their own source (`FORCED`), not the drafter's
 
 A draft model is turned off per request where the policy says its forwards do not pay (`draft_pays`):
-it neither prefills nor drafts for that request, whose source is then the drafter's cheapest (HYBRID: its free
-lookups). Nor is it on for a request whose tokens left to generate (max_tokens, within the context) do not pay
+it neither prefills nor drafts for that request, whose source is then one without a forward (HYBRID: its
+lookups, the suffix index, the n-gram table). Nor is it on for a request whose tokens left to generate (max_tokens, within the context) do not pay
 for the draft model's forward over its context, as the policy prices it (`prefill_pays`; `cost`: on the measured
 curves, so a long prompt asking for a short answer skips the draft's prefill). It is back on once drafting pays
 again at the batch size, for a request that passes that test.
@@ -110,10 +110,9 @@ class DraftStage:
             return DraftPlan([d.sources[-1] if d else DEFAULT_SOURCE] * len(reqs), [0] * len(reqs))
         self._model_back(reqs)
         off = [r.request_id in self.model_off for r in reqs]
-        # NOTE: a request the draft model is off for drafts from a free source (the model is the last one), and
-        # not at all from a drafter whose only source is the model
-        sources = [d.draft_source(r) for r in reqs]
-        sources = [d.sources[0] if o and s == d.sources[-1] else s for s, o in zip(sources, off)]
+        # NOTE: a request the draft model is off for drafts from a source without a forward, and not at all from a
+        # drafter whose only source is the model
+        sources = [d.draft_source(r, model=not o) for r, o in zip(reqs, off)]
         limits = [0 if o and len(d.sources) == 1 else self.limit(r) for r, o in zip(reqs, off)]
         plan = DraftPlan(sources, limits)
         plan.windows = self.policy.plan(reqs, plan)

@@ -163,3 +163,35 @@ def test_draft_vocab_applies_to_hybrid_over_a_draft_model(dirs: dict[str, str], 
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
     with pytest.raises(ValueError, match="--speculative-draft-vocab applies to a draft model"):
         LLM(dirs["target"], dtype="float64", speculative_algorithm="HYBRID", speculative_draft_vocab="none")
+
+
+def test_table_drafts_where_the_draft_model_is_off(dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    """AUTO's chain past the draft model: where `cost` turns the model off for a request (here: a long prompt
+    asking for a short answer, whose draft prefill does not pay), the n-gram table drafts for it (source "table")
+    where prompt lookup finds nothing, and the output is the target's greedy one."""
+    import numpy as np
+
+    from specserve.cost.curve import CostModel
+    from specserve.cost.gate import DraftGate
+    from specserve.drafters.ngram_table import NgramTable
+
+    fixed_curves(monkeypatch, CostModel([(1, 1.0), (64, 1.5)]), CostModel([(1, 0.05), (64, 3.2)]))
+    monkeypatch.setattr(DraftGate, "allow", lambda self, batch, source="draft": "open")
+    target = LLM(dirs["target"], dtype="float64").engine.model
+    prompt = list(range(3, 43))  # no 3-token repeat: prompt lookup drafts nothing
+    g = reference_greedy(target, prompt, 12)
+    table, _ = NgramTable.build([(np.array(prompt + g), np.array([False] * 40 + [True] * 12))], vocab_size=97,
+                                max_n=3, min_count=1, target=target.cfg.name)
+    table.save(tmp_path / "table")
+    llm = LLM(dirs["target"], dtype="float64", speculative_algorithm="AUTO", speculative_draft_model_path=dirs["small"],
+              speculative_num_draft_tokens=4, speculative_window="cost", page_size=4,
+              speculative_ngram_table=str(tmp_path / "table"), speculative_suffix_cache_tokens=0)
+    eng = llm.engine
+    assert eng.drafter.sources == ("lookup", "table", "learned")
+    reqs = drive(llm, [(0, prompt, SamplingParams(temperature=0, max_tokens=8))])
+    assert reqs[0].output_ids == g[:8]
+    drafted, accepted = eng.stats.by_source["table"]
+    assert drafted > 0 and accepted > 0 and "learned" not in eng.stats.by_source
+    check_stats(eng, reqs)
+    assert_no_leak(eng)

@@ -150,7 +150,7 @@ def test_a_restarted_engine_drafts_from_the_saved_index(tmp_path: Path) -> None:
         assert "suffix" not in llm.engine.stats.by_source  # the first request had nothing to draft from
     assert list(tmp_path.glob("suffix-*.npz"))
     with _suffix_llm(model, prefix_cache_dir=str(tmp_path)) as llm:
-        assert llm.engine.drafter.lookups.index.documents == 1
+        assert llm.engine.drafter.lookups.index.documents == 2  # the prompt (at its first decode step), the output
         out = llm.generate([prompt], sp)[0]
         assert out.token_ids == reference_greedy(model, prompt, 30)
         assert llm.engine.stats.by_source["suffix"][1] > 0
@@ -174,3 +174,21 @@ def test_index_tokens_skip_the_prefix_cache_hit() -> None:
     lk.release(r2)
     assert lk.index.documents == 1
     assert np.array_equal(lk.index.tokens[:9], [26, 27, 28, 29, 1, 2, 3, 4, 5])
+
+
+def test_a_longer_match_in_the_index_wins_over_prompt_lookup() -> None:
+    """Prompt lookup takes the most recent occurrence of the context's last ≤ 4 tokens; where the index matches
+    more than that, its continuation is the right one of a repeated phrase's: it drafts. The request's own
+    prompt joins the index at its first decode step (before: nothing)."""
+    from specserve.drafters.lookups import Lookups, RequestLookups
+
+    lk = Lookups(RequestLookups(1, 4), SuffixIndex(1024))
+    phrase = [50, 51, 52, 53]
+    prompt = [1, 2, 3, 4, 5, 6] + phrase + [7, 8] + [9, 9, 9] + phrase + [60, 61] + [1, 2, 3, 4, 5, 6] + phrase
+    r = Request("r", prompt, SamplingParams(temperature=0))
+    # lookup: the latest occurrence of 50 51 52 53 continues 60 61; the index matches 1..6 + phrase: 7 8
+    assert lk.own(r, 2) == [60, 61]
+    assert lk.source(r) == "suffix" and lk.draft(r, "suffix", 2) == [7, 8]
+    assert lk.index.documents == 1
+    short = Request("s", [9, 1, 2, 3, 9, 1, 2, 3], SamplingParams(temperature=0))
+    assert lk.source(short) == "lookup"  # a 4-token match: prompt lookup's own

@@ -84,7 +84,7 @@ BODY = st.fixed_dictionaries(
 @given(body=BODY)
 def test_valid_completions_keep_their_invariants(srv: ServerThread, body: dict) -> None:
     """Seeded, so deterministic: the stream must carry exactly the non-streamed text, no stop string
-    may appear in an output, and usage must add up."""
+    may appear in an output, and usage must add up (the same token counts streamed or not)."""
     r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     j = r.json()
@@ -108,4 +108,7 @@ def test_valid_completions_keep_their_invariants(srv: ServerThread, body: dict) 
     streamed = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
                 for i in range(len(j["choices"]))]
     assert streamed == [c["text"] for c in j["choices"]]
-    assert chunks[-1]["usage"] == j["usage"]
+    # NOTE: the speculative figures depend on history (the suffix index learns from each finished request), the
+    # tokens do not
+    assert {k: v for k, v in chunks[-1]["usage"].items() if k != "speculative"} == {
+        k: v for k, v in j["usage"].items() if k != "speculative"}

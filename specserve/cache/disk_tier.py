@@ -15,7 +15,7 @@ kv_heads rows), then the owner's extra if it has one: a tensor (a chain drafter 
 a 2-byte length, JSON {dtype, shape}, its bytes. A page whose extra is anything else stays in RAM only.
 Loads go through a staging buffer of LOAD_CHUNK pages in the pool's order ([K/V, kv_head, page, row, head_dim]:
 each file scattered into it by one preadv, then one index_copy per K/V per chunk whose blocks are contiguous runs
-of page_size x head_dim, as in the pool; a page-major staging buffer copied ~4x slower), kept between loads.
+of page_size x head_dim, as in the pool; from a page-major one the copy took 1.5x longer), kept between loads.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """`specserve bench agentic --record FILE`: the model works HumanEval tasks as a tool loop (agent_tasks.py),
 in-process and greedy, with the server's own prompt rendering (tools.chat_prompt: the chat template's `tools`, or
-the fallback) and tool-call parsing (`--tool-call-parser`'s format read off the template). Each turn's prompt ids
-and output ids are written, so a replay sends every engine the same tokens."""
+the fallback) and tool-call parsing (`--tool-call-parser`'s format read off the template; a call written as a
+fenced JSON block is taken too). Each turn's prompt ids and output ids are written, so a replay sends every engine
+the same tokens."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ from typing import Any
 from ..core import SamplingParams
 from ..server.tool_parsers import detect_format, hidden_markers
 from ..server.tools import ToolPlan, chat_prompt, split_tool_calls
-from .agent_tasks import TOOLS, Task, humaneval_tasks
+from .agent_tasks import TOOLS, Task, fenced_calls, humaneval_tasks
 from .machine import machine_info
 
 
@@ -40,15 +41,18 @@ def converse(llm: Any, task: Task, max_turns: int, max_tokens: int) -> dict[str,
         ids = tok.encode(chat_prompt(tok, messages, True, plan, fmt), add_special_tokens=False)
         out = llm.generate([ids], sp)[0]
         turns.append({"prompt_ids": ids, "output_ids": list(out.token_ids)})
-        content, calls = split_tool_calls(_text(tok, out.token_ids, markers), plan, fmt)
+        content, parsed = split_tool_calls(_text(tok, out.token_ids, markers), plan, fmt)
+        calls = [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed]
+        if not calls:  # a call written outside the template's format, as small models do
+            content, fenced = fenced_calls(content)
+            calls = [(f"call_{turn}_{i}", name, args) for i, (name, args) in enumerate(fenced)]
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
-            message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
-                "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}} for c in calls]
+            message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": name, "arguments": args}}
+                                     for i, name, args in calls]
         messages.append(message)
-        for c in calls:
-            result = task.call(c["function"]["name"], json.loads(c["function"]["arguments"]))
-            messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
+        for i, name, args in calls:
+            messages.append({"role": "tool", "tool_call_id": i, "content": task.call(name, args)})
         if not calls:
             messages.append({"role": "user", "content": task.without_call(content)})
         if task.passed:

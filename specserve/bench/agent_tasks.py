@@ -39,6 +39,28 @@ TOOLS: list[dict[str, Any]] = [
 ]
 TEST_TIMEOUT = 10.0  # seconds per test run (a generated infinite loop fails the run)
 _CODE = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)
+_FENCED_CALL = re.compile(r"```(?:json)?\s*\n(\{.*?\})\s*```", re.S)
+TOOL_NAMES = frozenset(t["function"]["name"] for t in TOOLS)
+
+
+def fenced_calls(text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+    """Calls a model wrote as ```json {"name", "arguments"}``` blocks instead of its template's format (small
+    Qwen2.5-Coder models do): the environment runs them as an agent framework's lenient parser would. Returns the
+    text without those blocks, and the (name, arguments) of each."""
+    calls = []
+
+    def take(m: re.Match) -> str:
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            return m.group(0)
+        if not (isinstance(obj, dict) and obj.get("name") in TOOL_NAMES and isinstance(obj.get("arguments", {}), dict)):
+            return m.group(0)
+        calls.append((obj["name"], obj.get("arguments", {})))
+        return ""
+
+    rest = _FENCED_CALL.sub(take, text)
+    return rest.strip() if calls else text, calls
 
 
 @dataclass

@@ -2,8 +2,8 @@
 promise equal K/V under equal page keys, so a page file is read only by a pool with its writer's fingerprint.
 
 A fingerprint hashes (BLAKE2b-128 of the parts as sorted JSON):
-  format    FORMAT_VERSION (bumped when the file layout or the K/V a forward writes changes), specserve's and
-            torch's versions
+  format    FORMAT_VERSION (bumped when the file layout changes), specserve's and torch's versions, and a digest
+            of the code that computes K/V (code_digest)
   model     its file (path, size, mtime; for an HF directory, each file's), a digest of a strided sample of every
             tensor and array the model holds (an in-memory model, a re-quantized one, an edited file told apart),
             and its whole ModelConfig (layers, heads, RoPE settings, window, ...)
@@ -104,10 +104,27 @@ def pool_layout(pool: "KVPool") -> dict[str, Any]:
             "kv_dtype": str(pool.dtype)}
 
 
+_CODE = ("models", "runtime", "formats", "loading", "kernels")  # the packages whose code decides the K/V written
+
+
+def code_digest() -> str:
+    """A digest of the source that computes K/V (the model forwards, the runner, the quantized formats and the
+    kernels, C++ included): an edited checkout never reads pages an earlier one wrote (the version string does not
+    change with the code)."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for pkg in _CODE:
+        for f in sorted((root / pkg).rglob("*")):
+            if f.suffix in (".py", ".cpp", ".h") and f.is_file():
+                h.update(str(f.relative_to(root)).encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _versions() -> dict[str, str]:
     from .. import __version__
 
-    return {"disk_format": str(FORMAT_VERSION), "specserve": __version__, "torch": torch.__version__}
+    return {"disk_format": str(FORMAT_VERSION), "specserve": __version__, "torch": torch.__version__,
+            "code": code_digest()}
 
 
 def target_fingerprint(model: torch.nn.Module, quantization: str | None, pool: "KVPool",

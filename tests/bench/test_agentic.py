@@ -14,7 +14,7 @@ import pytest
 
 from specserve.bench import agentic
 from specserve.bench.agent_record import converse
-from specserve.bench.agent_tasks import humaneval_tasks
+from specserve.bench.agent_tasks import fenced_calls, humaneval_tasks
 from specserve.bench.workloads import _pkg_file
 from tests.grammar_setup import tiny_tokenizer
 from tests.server.test_tools import QWEN25_TEMPLATE, _tool_dir
@@ -37,6 +37,13 @@ def test_the_tools_of_a_task() -> None:
     assert task.without_call("no code here").startswith("Use the tools")
     assert task.call("write_file", {"path": "solution.py", "content": _canonical(task.task_id)}).startswith("wrote")
     assert task.call("run_tests", {}) == "all tests passed" and task.passed
+
+
+def test_calls_written_as_fenced_json_are_taken() -> None:
+    text = 'I will read it.\n```json\n{"name": "read_file", "arguments": {"path": "solution.py"}}\n```'
+    assert fenced_calls(text) == ("I will read it.", [("read_file", {"path": "solution.py"})])
+    for other in ('```json\n{"name": "delete_all", "arguments": {}}\n```', "```json\n{broken\n```", "no call"):
+        assert fenced_calls(other) == (other, [])
 
 
 def test_a_recorded_conversation_follows_the_tool_loop() -> None:

@@ -98,7 +98,7 @@ def test_learned_drafters_equal_plain_on_smollm2(algo: str, smollm2_drafters: di
 
 def test_shipped_ngram_table_is_the_cli_default() -> None:
     """AUTO: NGRAM over the table shipped for SmolLM2 (cost windows); a learned-drafter flag picks HYBRID over
-    the shipped DSpark; flags of both are refused by name."""
+    the shipped DSpark."""
     from specserve.cli import _default_drafter, build_parser
 
     a = build_parser().parse_args(["generate", "--prompt", "x"])
@@ -106,16 +106,16 @@ def test_shipped_ngram_table_is_the_cli_default() -> None:
     llm = LLM("smollm2-135m", speculative_algorithm=a.speculative_algorithm)
     assert a.speculative_algorithm == "AUTO" and llm.engine.drafter.label == "NGRAM(table)"
     assert llm.config.speculative_algorithm == "NGRAM" and llm.config.speculative_window == "cost"
-    assert llm.engine.drafter.table.meta.vocab_size == 49152 and llm.engine.drafter.lookup.min_match == 2
+    assert llm.engine.drafter.table.meta.vocab_size == 49152 and llm.engine.drafter.lookups.own.min_match == 2
     out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=48))[0].outputs[0]
     plain = LLM("smollm2-135m", speculative_algorithm="none")
     assert plain.engine.drafter is None
     assert out.token_ids == plain.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=48))[0].outputs[0].token_ids
     hybrid = LLM("smollm2-135m", speculative_algorithm="AUTO", speculative_block_size=4)
     assert hybrid.engine.drafter.label == "HYBRID(NGRAM+DSPARK)" and hybrid.config.speculative_window == "cost"
-    with pytest.raises(ValueError, match="AUTO: --speculative-ngram-table .NGRAM. and --speculative-block-size "
-                                         ".HYBRID. choose different drafters"):
-        LLM("smollm2-135m", speculative_algorithm="AUTO", speculative_block_size=4, speculative_ngram_table="none")
+    # the table flag is HYBRID's too (it drafts where a draft model is off): with a block flag, HYBRID takes both
+    both = LLM("smollm2-135m", speculative_algorithm="AUTO", speculative_block_size=4, speculative_ngram_table="none")
+    assert both.config.speculative_algorithm == "HYBRID" and both.engine.drafter.table is None
 
 
 

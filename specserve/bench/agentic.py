@@ -4,14 +4,14 @@ Record (`--record FILE`): the model works HumanEval tasks as a tool loop (bench/
 through the same chat rendering and tool-call parsing as `specserve serve`; every turn's prompt token ids and the
 model's own output ids are written down. Tasks with even ids tune, odd ids are held out.
 
-Replay (`--replay FILE --launch CONFIG...`): each server is started on the same GGUF (bench/launch.py), and the
-conversations of `--split` run turn by turn, `--concurrency` conversations at a time; each turn sends its recorded
+Replay (`--replay FILE --launch CONFIG...`): each server is started on the same GGUF (bench/launch.py), afresh for
+each `--concurrency`, and the conversations of `--split` run turn by turn, that many conversations at a time; each turn sends its recorded
 prompt ids and asks for exactly the recorded number of tokens (ignore_eos), so every engine does the same work.
 Reported per server and concurrency: output tok/s, its ratio to `plain` (and to llama-server when it ran),
 acceptance length, accepted/drafted tokens per draft source (specserve's /metrics), and whether greedy texts equal
 plain decoding's on the same engine. `--prime SPLIT` replays another split unmeasured first; with `--restart` the
 server is then stopped and started again with the same flags (a --prefix-cache-dir keeps its pages and suffix index
-across the restart) before the measured replay.
+across the restart, and from one concurrency's run to the next) before the measured replay.
 """
 from __future__ import annotations
 
@@ -147,18 +147,21 @@ def run_replay(a: argparse.Namespace) -> dict[str, Any]:
         llama = is_llama_server(name)
         runs: dict[str, Any] = {}
         try:
-            srv = _start(a, name, threads)
-            if a.prime:
-                replay(srv, llama, conversations(doc, a.prime), max(a.concurrency))
-                if a.restart:
-                    srv.stop()
-                    srv = _start(a, name, threads)
-            with srv:
-                for c in a.concurrency:
+            for c in a.concurrency:
+                # NOTE: a fresh server per concurrency: caches warmed by the same conversations would flatter
+                # the later runs (a --prefix-cache-dir is the exception a configuration asks for)
+                srv = _start(a, name, threads)
+                if a.prime:
+                    replay(srv, llama, conversations(doc, a.prime), c)
+                    if a.restart:
+                        srv.stop()
+                        srv = _start(a, name, threads)
+                with srv:
                     runs[f"{c} in flight"] = r = replay(srv, llama, convs, c)
-                    print(f"{name}, {c} in flight: {r['output_tok_s']:.1f} tok/s, accept length "
-                          f"{r.get('accept_length')}, sources {r.get('sources')}")
-                results[name] = {"ready_s": srv.ready_s, "peak_rss_gib": srv.peak_rss_gib(), "runs": runs}
+                    r.update(ready_s=srv.ready_s, peak_rss_gib=srv.peak_rss_gib())
+                print(f"{name}, {c} in flight: {r['output_tok_s']:.1f} tok/s, accept length "
+                      f"{r.get('accept_length')}, sources {r.get('sources')}")
+            results[name] = {"runs": runs}
         except (RuntimeError, OSError) as e:  # one server that fails: the others still run
             print(f"{name}: failed\n{e}")
             results[name] = {"error": str(e), "runs": runs}

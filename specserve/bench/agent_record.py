@@ -12,22 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from ..core import SamplingParams
+from ..server.text import TextStream
 from ..server.tool_parsers import detect_format, hidden_markers
 from ..server.tools import ToolPlan, chat_prompt, split_tool_calls
 from .agent_tasks import TOOLS, Task, fenced_calls, humaneval_tasks
 from .machine import machine_info
-
-
-def _text(tok: Any, ids: list[int], markers: dict[int, str]) -> str:
-    """The answer's text with the format's marker tokens kept (a special token decoding would drop)."""
-    out, run = [], []
-    for t in ids:
-        if t in markers:
-            out += [tok.decode(run), markers[t]]
-            run = []
-        else:
-            run.append(t)
-    return "".join(out) + tok.decode(run)
 
 
 def converse(llm: Any, task: Task, max_turns: int, max_tokens: int) -> dict[str, Any]:
@@ -41,7 +30,9 @@ def converse(llm: Any, task: Task, max_turns: int, max_tokens: int) -> dict[str,
         ids = tok.encode(chat_prompt(tok, messages, True, plan, fmt), add_special_tokens=False)
         out = llm.generate([ids], sp)[0]
         turns.append({"prompt_ids": ids, "output_ids": list(out.token_ids)})
-        content, parsed = split_tool_calls(_text(tok, out.token_ids, markers), plan, fmt)
+        ts = TextStream(tok, keep=markers)  # the format's marker tokens spelled out, as the server does
+        ts.ids = list(out.token_ids)
+        content, parsed = split_tool_calls(ts.final_text(None), plan, fmt)
         calls = [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed]
         if not calls:  # a call written outside the template's format, as small models do
             content, fenced = fenced_calls(content)

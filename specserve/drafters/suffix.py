@@ -37,7 +37,7 @@ DEPTH_PER_MATCH = 1.0  # draft depth ≤ this × match length
 _SEP = -1
 _P = 1_000_003
 _M64 = (1 << 64) - 1
-FORMAT = 1
+FORMAT = 2  # 2: buckets from the hash's high bits
 
 
 _MIX = 0x9E3779B97F4A7C15

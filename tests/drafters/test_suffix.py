@@ -123,7 +123,7 @@ def test_suffix_source_greedy_equals_plain(window: str) -> None:
 
 def test_no_suffix_index_when_its_budget_is_zero() -> None:
     llm = _suffix_llm(tiny_model(vocab=V, seed=3), speculative_suffix_cache_tokens=0)
-    assert llm.engine.drafter.lookups.index is None and llm.engine.drafter.sources == ("draft",)
+    assert llm.engine.drafter.lookups.index is None and llm.engine.drafter.sources == ("lookup",)
     with pytest.raises(ValueError, match="--speculative-suffix-cache-tokens must be >= 0"):
         _suffix_llm(tiny_model(vocab=V, seed=3), speculative_suffix_cache_tokens=-1)
 

@@ -5,13 +5,14 @@ through the same chat rendering and tool-call parsing as `specserve serve`; ever
 model's own output ids are written down. Tasks with even ids tune, odd ids are held out.
 
 Replay (`--replay FILE --launch CONFIG...`): each server is started on the same GGUF (bench/launch.py), afresh for
-each `--concurrency`, and the conversations of `--split` run turn by turn, that many conversations at a time; each turn sends its recorded
-prompt ids and asks for exactly the recorded number of tokens (ignore_eos), so every engine does the same work.
-Reported per server and concurrency: output tok/s, its ratio to `plain` (and to llama-server when it ran),
-acceptance length, accepted/drafted tokens per draft source (specserve's /metrics), and whether greedy texts equal
-plain decoding's on the same engine. `--prime SPLIT` replays another split unmeasured first; with `--restart` the
-server is then stopped and started again with the same flags (a --prefix-cache-dir keeps its pages and suffix index
-across the restart, and from one concurrency's run to the next) before the measured replay.
+each run, and the conversations of `--split` run turn by turn, `--concurrency` conversations at a time; each turn
+sends its recorded prompt ids and asks for exactly the recorded number of tokens (ignore_eos), so every engine does
+the same work. With `--repeat N` the servers take turns N times and each reports its median run. Reported per
+server and concurrency: output tok/s, its ratio to `plain` (and to llama-server when it ran), acceptance length,
+accepted/drafted tokens per draft source (specserve's /metrics), and whether greedy texts equal plain decoding's on
+the same engine. `--prime SPLIT` replays another split unmeasured first; with `--restart` the server is then
+stopped and started again with the same flags (a --prefix-cache-dir keeps its pages and suffix index across the
+restart, and from one concurrency's run to the next) before the measured replay.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-draft-model-path", default=None, help="llama-server+draft's draft model (-md)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4], help="conversations in flight")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="replays per server and concurrency, the servers taking turns; the median run is reported")
     p.add_argument("--output", default=None)
 
 
@@ -141,32 +144,58 @@ def run_replay(a: argparse.Namespace) -> dict[str, Any]:
     convs = conversations(doc, a.split)
     if not convs:
         raise ValueError(f"{a.replay} has no {a.split} conversations")
+    if a.repeat < 1:
+        raise ValueError("--repeat: at least 1")
     threads = a.num_threads or os.cpu_count() or 1
+    measured: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in a.launch}
+    failed: dict[str, str] = {}
+    # NOTE: the servers take turns, repeat after repeat: a host's speed drifts over minutes (shared VMs), and
+    # one server measured in a slow minute would carry the drift into its ratio
+    for rep, c in ((rep, c) for rep in range(a.repeat) for c in a.concurrency):
+        for name in (n for n in a.launch if n not in failed):
+            try:
+                r = _measure(a, name, threads, convs, doc, c)
+            except (RuntimeError, OSError) as e:  # one server that fails: the others still run
+                print(f"{name}: failed\n{e}")
+                failed[name] = str(e)
+                continue
+            measured[name].setdefault(f"{c} in flight", []).append(r)
+            print(f"{name}, {c} in flight{f' (repeat {rep + 1})' if a.repeat > 1 else ''}: {r['output_tok_s']:.1f} "
+                  f"tok/s, accept length {r.get('accept_length')}, sources {r.get('sources')}")
     results: dict[str, Any] = {}
-    for name in a.launch:
-        llama = is_llama_server(name)
-        runs: dict[str, Any] = {}
-        try:
-            for c in a.concurrency:
-                # NOTE: a fresh server per concurrency: caches warmed by the same conversations would flatter
-                # the later runs (a --prefix-cache-dir is the exception a configuration asks for)
-                srv = _start(a, name, threads)
-                if a.prime:
-                    replay(srv, llama, conversations(doc, a.prime), c)
-                    if a.restart:
-                        srv.stop()
-                        srv = _start(a, name, threads)
-                with srv:
-                    runs[f"{c} in flight"] = r = replay(srv, llama, convs, c)
-                    r.update(ready_s=srv.ready_s, peak_rss_gib=srv.peak_rss_gib())
-                print(f"{name}, {c} in flight: {r['output_tok_s']:.1f} tok/s, accept length "
-                      f"{r.get('accept_length')}, sources {r.get('sources')}")
-            results[name] = {"runs": runs}
-        except (RuntimeError, OSError) as e:  # one server that fails: the others still run
-            print(f"{name}: failed\n{e}")
-            results[name] = {"error": str(e), "runs": runs}
+    for name, modes in measured.items():
+        results[name] = {"runs": {m: _median_run(rs) for m, rs in modes.items()}}
+        if name in failed:
+            results[name]["error"] = failed[name]
     _compare(results)
     return results
+
+
+def _measure(a: argparse.Namespace, name: str, threads: int, convs: list[dict[str, Any]], doc: dict[str, Any],
+             c: int) -> dict[str, Any]:
+    """One replay of convs, c at a time, on a fresh server (--prime: after the primed replay, --restart)."""
+    llama = is_llama_server(name)
+    # NOTE: a fresh server per run: caches warmed by the same conversations would flatter the later runs (a
+    # --prefix-cache-dir is the exception a configuration asks for)
+    srv = _start(a, name, threads)
+    if a.prime:
+        replay(srv, llama, conversations(doc, a.prime), c)
+        if a.restart:
+            srv.stop()
+            srv = _start(a, name, threads)
+    with srv:
+        r = replay(srv, llama, convs, c)
+        r.update(ready_s=srv.ready_s, peak_rss_gib=srv.peak_rss_gib())
+    return r
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median tok/s (the lower middle of an even count), with every run's tok/s beside it."""
+    ranked = sorted(runs, key=lambda r: r["output_tok_s"])
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    if len(runs) > 1:
+        out["output_tok_s_runs"] = [r["output_tok_s"] for r in runs]
+    return out
 
 
 def _compare(results: dict[str, Any]) -> None:

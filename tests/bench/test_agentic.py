@@ -94,8 +94,9 @@ specserve:spec_decode_num_draft_tokens_by_source_total{model_name="m",source="lo
 
 @pytest.mark.slow
 def test_replay_against_launched_servers(tmp_path: Path) -> None:
-    """A recording of the tiny model's own turns, replayed on `specserve serve` plain and NGRAM: every turn
-    generates its recorded length, NGRAM's texts equal plain's, and its drafts are counted per source."""
+    """A recording of the tiny model's own turns, replayed twice on `specserve serve` plain and NGRAM: every turn
+    generates its recorded length, NGRAM's texts equal plain's, its drafts are counted per source, and each server
+    reports its median run beside both runs' tok/s."""
     from specserve.engine.llm import LLM
 
     d = _tool_dir(tmp_path / "m", QWEN25_TEMPLATE)
@@ -104,10 +105,18 @@ def test_replay_against_launched_servers(tmp_path: Path) -> None:
     (tmp_path / "rec.json").write_text(json.dumps({"conversations": convs}))
     a = argparse.Namespace(replay=str(tmp_path / "rec.json"), record=None, split="all", prime=None, restart=False,
                            launch=["plain", "NGRAM"], model_path=d, speculative_draft_model_path=None, num_threads=1,
-                           concurrency=[2], output=str(tmp_path / "out.json"))
+                           concurrency=[2], repeat=2, output=str(tmp_path / "out.json"))
     r = agentic.run_replay(a)
     plain, ngram = r["plain"]["runs"]["2 in flight"], r["NGRAM"]["runs"]["2 in flight"]
     assert plain["tokens"] == sum(len(t["output_ids"]) for c in convs for t in c["turns"]) > 0
     assert ngram["text_equals_plain"] is True and ngram["vs_plain"] > 0
+    assert len(plain["output_tok_s_runs"]) == 2 and plain["output_tok_s"] == min(plain["output_tok_s_runs"])
     assert set(ngram["sources"]) <= {"lookup", "suffix"} and all(
         0 <= s["accepted"] <= s["drafted"] for s in ngram["sources"].values())
+
+
+def test_median_run_is_the_middle_run() -> None:
+    runs = [{"output_tok_s": v, "i": i} for i, v in enumerate((30.0, 10.0, 20.0))]
+    m = agentic._median_run(runs)
+    assert (m["i"], m["output_tok_s_runs"]) == (2, [30.0, 10.0, 20.0])
+    assert "output_tok_s_runs" not in agentic._median_run(runs[:1])

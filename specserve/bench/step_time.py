@@ -1,4 +1,5 @@
-"""`specserve bench step`: where the time of one target forward goes, at batch 1.
+"""`specserve bench step`: where the time of one target forward goes, at batch 1 (with `--rows`: the weight
+bandwidth a forward reaches per row count, bench/step_bandwidth.py).
 
 For a decode step (1 new token) and a verify step (T new tokens, default 8) over each committed context,
 per mode (--dtype / --quantization, one mode per run): median wall time, and from one torch.profiler
@@ -28,6 +29,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="committed tokens before the step (several: one decode and one verify step each)")
     p.add_argument("--verify-tokens", type=int, default=8, help="T of the verify step")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--rows", type=int, nargs="+", default=None, metavar="N",
+                   help="the bandwidth table instead: per row count N, GB/s and the share of the read bandwidth "
+                        "(the first --context)")
+    p.add_argument("--llama-server", action="store_true", help="--rows: llama-server on the same GGUF too")
+    p.add_argument("--check", default=None, metavar="RESULT",
+                   help="--rows: fail when the batch-1 bandwidth share is >10%% below RESULT's (same CPU model)")
     p.add_argument("--output", default=None, help="JSON result path (default bench/results/step-<time>.json)")
     add_engine_args(p)
 
@@ -102,9 +109,13 @@ def run(a: argparse.Namespace) -> dict:
     from ..engine.llm import LLM
 
     a.speculative_algorithm = None
+    if (a.llama_server or a.check) and not a.rows:
+        raise ValueError("--llama-server and --check belong to the bandwidth table: give --rows")
     t0 = time.perf_counter()
     engine = LLM.from_config(config_from_args(a, a.model)).engine
     load_s = time.perf_counter() - t0
+    if a.rows:
+        return _bandwidth(a, engine)
     t0 = time.perf_counter()
     fn, pt = _step(engine, 1, 16)
     fn()
@@ -123,4 +134,16 @@ def run(a: argparse.Namespace) -> dict:
         print(f"context {ctx:5d} t({a.verify_tokens})/t(1) = {v / d:.2f}")
     print(f"load {load_s:.1f} s, first forward {first_s:.2f} s; {results['machine']}")
     print(f"wrote {record('step', a, results)}")
+    return results
+
+
+def _bandwidth(a: argparse.Namespace, engine) -> dict:  # noqa: ANN001
+    from . import step_bandwidth
+    from ..loading.checkpoint import resolve_model_path
+
+    path = resolve_model_path(a.model or "smollm2-135m")
+    results = step_bandwidth.run(a, engine, str(path))
+    print(f"wrote {record('step', a, results)}")
+    if a.check and (why := step_bandwidth.check(results, a.check)):
+        raise SystemExit(why)
     return results

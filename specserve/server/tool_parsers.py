@@ -4,7 +4,9 @@
                          (Qwen2.5, Qwen3, Hermes)
   llama3 (llama3_json)   `{"name": …, "parameters": {…}}` at the start of the answer or after `<|python_tag|>`,
                          several joined by `;` (Llama 3.1–3.3)
-  mistral                `[TOOL_CALLS] [{"name": …, "arguments": {…}}, …]` (Mistral's v3 tokenizers)
+  mistral                `[TOOL_CALLS] [{"name": …, "arguments": {…}}, …]` (Mistral's v3 tokenizers), or one call
+                         per marker, `[TOOL_CALLS]name[ARGS]{…}` (v11 on: Mistral Small 3.2, Devstral, Magistral;
+                         `name[CALL_ID]id[ARGS]{…}` too)
 
 Without the flag the format follows the chat template's text (`detect_format`). A call names a function of the
 request's `tools` and carries an object as `arguments` (or `parameters`; a JSON string of an object is taken
@@ -17,6 +19,7 @@ JSON, an unknown name) stays in the content verbatim; one left open at the end i
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +99,7 @@ class ToolFormat(ABC):
     name: str
     opens: tuple[str, ...] = ()  # text that opens a call region anywhere (consumed)
     opens_at_start: tuple[str, ...] = ()  # text that opens one only at the answer's start (part of the region)
+    inner: tuple[str, ...] = ()  # markers inside a region (like `opens`, single special tokens in some vocabularies)
     separator: str | None = None  # after a region, this (past whitespace) opens the next one
     instructions: str  # the fallback system prompt's part on how to call
 
@@ -147,14 +151,40 @@ class Llama3Format(ToolFormat):
         return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
 
 
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
 class MistralFormat(ToolFormat):
     name = "mistral"
     opens = ("[TOOL_CALLS]",)
+    inner = ("[ARGS]", "[CALL_ID]")
     instructions = ('To call functions, answer with [TOOL_CALLS] followed by a JSON list of objects of the form '
                     '{"name": <function-name>, "arguments": <args-json-object>}.')
 
     def read(self, text: str, final: bool, names: frozenset[str] | None) -> Read | None:
-        return _read_json(text, final, names, "[", many=True)
+        head = text.lstrip(_WS)
+        if head.startswith("[") or (text and not head):  # a list, after optional whitespace (or not yet known)
+            return _read_json(text, final, names, "[", many=True)
+        return self._read_named(text, final, names)
+
+    def _read_named(self, text: str, final: bool, names: frozenset[str] | None) -> Read | None:
+        """name[ARGS]{…} or name[CALL_ID]id[ARGS]{…}, right after the marker (after whitespace it is none)."""
+        m = _NAME.match(text)
+        if m is None:
+            return Read(None, 0) if text or final else None
+        i = m.end()
+        if text.startswith("[CALL_ID]", i):
+            cid = _NAME.match(text, i + len("[CALL_ID]"))
+            i = cid.end() if cid else i + len("[CALL_ID]")
+        if not text.startswith("[ARGS]", i):
+            rest = text[i:]  # the name or call id may still be coming, or a marker be cut short
+            pending = not rest or any(k.startswith(rest) for k in self.inner)
+            return None if pending and not final else Read(None, 0)
+        got = _decode_at(text, i + len("[ARGS]"))
+        if got is None:
+            return Read(None, len(text)) if final else None
+        call = call_from({"name": m.group(), "arguments": got[0]}, names) if isinstance(got[0], dict) else None
+        return Read([call] if call else None, got[1])
 
     def render_calls(self, calls: list[tuple[str, Any]]) -> str:
         return "[TOOL_CALLS] " + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
@@ -190,10 +220,10 @@ def detect_format(template: str | None) -> ToolFormat:
 
 
 def hidden_markers(tokenizer: Any, fmt: ToolFormat) -> dict[int, str]:
-    """The format's markers that are single special tokens, which decoding would skip ([TOOL_CALLS],
+    """The format's markers that are single special tokens, which decoding would skip ([TOOL_CALLS], [ARGS],
     <|python_tag|>): token id → text, for the decoder to keep."""
     out = {}
-    for m in fmt.opens:
+    for m in fmt.opens + fmt.inner:
         i = tokenizer.token_to_id(m)
         if i is not None and tokenizer.decode([i]) == "":
             out[i] = m

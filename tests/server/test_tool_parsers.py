@@ -56,6 +56,15 @@ CASES = [
     (M, '[TOOL_CALLS] [{"name": "f", "arguments": {}}', '[TOOL_CALLS] [{"name": "f", "arguments": {}}', []),
     (M, '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "x"}]',
      '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "x"}]', []),  # one bad call: the list is text
+    # v11 on: one call per marker, name[ARGS]{…} (or name[CALL_ID]id[ARGS]{…})
+    (M, '[TOOL_CALLS]f[ARGS]{"city": "Paris"}', "", [F]),
+    (M, 'Sure.[TOOL_CALLS]f[ARGS]{"city": "Paris"}[TOOL_CALLS]g[ARGS]{}\nDone.', "Sure.\nDone.", [F, G]),
+    (M, "[TOOL_CALLS]g[CALL_ID]a1B2c3D4e[ARGS]{}", "", [G]),
+    (M, '[TOOL_CALLS]f[ARGS]{"city": ', '[TOOL_CALLS]f[ARGS]{"city": ', []),  # cut by max_tokens
+    (M, "[TOOL_CALLS]x[ARGS]{}", "[TOOL_CALLS]x[ARGS]{}", []),  # not a tool of the request
+    (M, "[TOOL_CALLS]f[ARGS][1]", "[TOOL_CALLS]f[ARGS][1]", []),  # arguments not an object
+    (M, "[TOOL_CALLS]f[AR", "[TOOL_CALLS]f[AR", []),
+    (M, "[TOOL_CALLS]f(1)", "[TOOL_CALLS]f(1)", []),
 ]
 
 
@@ -174,18 +183,19 @@ def test_deltas_join_to_the_message(plan: ToolPlan, text: str) -> None:
 
 
 def _marker_tokenizer() -> Tokenizer:
-    """One token per character, plus the special tokens <eos> and [TOOL_CALLS] (decoding skips them)."""
+    """One token per character, plus the special tokens <eos>, [TOOL_CALLS] and [ARGS] (decoding skips them)."""
     tok = HFTokenizer(models.BPE(vocab={_byte_char(ord(c)): i for i, c in enumerate(CHARS)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<eos>", "[TOOL_CALLS]"])
+    tok.add_special_tokens(["<eos>", "[TOOL_CALLS]", "[ARGS]"])
     return Tokenizer(tok, bos_token_id=None, eos_token_ids=(len(CHARS),))
 
 
 def test_special_marker_tokens_are_kept_in_the_text() -> None:
     tok = _marker_tokenizer()
     marker = tok.token_to_id("[TOOL_CALLS]")
-    assert tok.decode([marker]) == "" and hidden_markers(tok, M) == {marker: "[TOOL_CALLS]"}
+    args = tok.token_to_id("[ARGS]")
+    assert tok.decode([marker]) == "" and hidden_markers(tok, M) == {marker: "[TOOL_CALLS]", args: "[ARGS]"}
     assert hidden_markers(tok, Q) == {}  # <tool_call> is plain text here
     enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     whole = 'Sure. [TOOL_CALLS] [{"name": "g", "arguments": {}}]'
@@ -200,3 +210,7 @@ def test_special_marker_tokens_are_kept_in_the_text() -> None:
         final.ids = ids
         assert streamed == final.final_text(stop_text) == whole, stop
     assert parse_tool_calls(whole, M, NAMES) == ("Sure.", [G])
+    ids = enc("Sure.") + [marker] + enc("g") + [args] + enc("{}")  # v11: name[ARGS]{…}, both markers special
+    ts = TextStream(tok, (), hidden_markers(tok, M))
+    text = "".join(ts.step([t], i == len(ids) - 1, None) for i, t in enumerate(ids))
+    assert text == "Sure.[TOOL_CALLS]g[ARGS]{}" and parse_tool_calls(text, M, NAMES) == ("Sure.", [G])

@@ -179,13 +179,17 @@ def stated_acceptance(engine: Any, reference: dict[tuple[int, ...], list[int]], 
 
 
 def streamed_weight_bytes(model: Any) -> int:
-    """Bytes of every matrix a decode step multiplies (the embedding is gathered, not streamed)."""
+    """Bytes of every matrix a decode step multiplies (the embedding is gathered, not streamed); an MoE layer's:
+    its top-k experts' (what one token reads) and its shared expert's."""
     import torch
 
     total = 0
     for layer in model.layers:
         for a in ("qkv_w", "o_w", "gate_up_w", "down_w"):
-            total += _nbytes(getattr(layer, a))
+            w = getattr(layer, a)
+            total += 0 if w is None else _nbytes(w)
+        if hasattr(layer, "expert_nbytes"):
+            total += layer.top_k * layer.expert_nbytes(0)
     head = model.lm_head
     return total + (_nbytes(head) if not isinstance(head, torch.Tensor) or head is not model.embed else head.nbytes)
 

@@ -2,7 +2,7 @@
 (HF directory, fp32, and the same directory converted by llama.cpp's convert_hf_to_gguf.py); a Q8_0 conversion
 runs every expert on the integer kernels, bit-equal whether a token runs alone, in a verify window or in a batch
 of 16; routing ties go as torch.topk (the reference) breaks them; a router wired to a wrong expert fails the
-equality; NGRAM and STANDALONE speculation equal plain decoding.
+equality; NGRAM, STANDALONE and EAGLE-3 speculation equal plain decoding.
 """
 from __future__ import annotations
 
@@ -250,11 +250,16 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.parametrize(("family", "algo"), [(f, "NGRAM") for f in MOE_FAMILIES]
-                         + [("qwen2_moe", "STANDALONE"), ("mixtral", "STANDALONE")])
-def test_speculation_equals_plain(dirs: dict[str, str], draft_dir: str, family: str, algo: str) -> None:
-    """A draft's windows (a tiny dense mistral's for STANDALONE) verified on an MoE target: plain's tokens."""
+                         + [("qwen2_moe", "STANDALONE"), ("mixtral", "STANDALONE"), ("qwen3_moe", "EAGLE3")])
+def test_speculation_equals_plain(dirs: dict[str, str], draft_dir: str, tmp_path: Path, family: str,
+                                  algo: str) -> None:
+    """A draft's windows (a tiny dense mistral's for STANDALONE, a random EAGLE-3 head reading the MoE target's
+    hidden states) verified on an MoE target: plain's tokens."""
+    from tests.models.test_families import _eagle3_dir
+
     plain = _tokens(LLM(dirs[family], dtype="float32", **ENGINE))
-    draft = {"speculative_draft_model_path": draft_dir} if algo == "STANDALONE" else {}
+    path = {"STANDALONE": lambda: draft_dir, "EAGLE3": lambda: _eagle3_dir(dirs[family], tmp_path / "e3")}.get(algo)
+    draft = {"speculative_draft_model_path": path()} if path else {}
     llm = LLM(dirs[family], dtype="float32", speculative_algorithm=algo, speculative_num_draft_tokens=3,
               speculative_window="fixed", **draft, **ENGINE)
     assert _tokens(llm) == plain

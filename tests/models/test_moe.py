@@ -109,6 +109,20 @@ def test_llama_cpp_conversion_loads_with_equal_tokens(ggufs, family: str) -> Non
     assert _tokens(llm) == _reference(family)
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_f32_gguf_streamed_into_w8a8_equals_the_hf_directory_quantized(dirs: dict[str, str], ggufs,  # noqa: ANN001
+                                                                        family: str) -> None:
+    """The streaming GGUF load re-quantizes each expert of a stacked float tensor (and un-permutes Mixtral's q/k)
+    into the packed weights quantizing the HF directory gives: the same logits, bit for bit."""
+    from tests.tiny import ref_logits
+
+    a = LLM(ggufs(family, "f32"), quantization="w8a8", **ENGINE).engine.model
+    b = LLM(dirs[family], quantization="w8a8", **ENGINE).engine.model
+    assert isinstance(a.layers[0].experts_gate_up[0], BlockQuantWeight)
+    ids = list(range(3, 40, 3))
+    assert torch.equal(ref_logits(a, ids), ref_logits(b, ids))
+
+
 def _logits_each_way(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
     """Logits after each prefix of `ids`: all rows in one forward, one row per forward (decode), four rows per
     forward (a verify window of K = 4); and the last row of 16 requests in one step against each alone."""

@@ -288,3 +288,15 @@ def test_speculation_on_the_integer_kernels_equals_plain(ggufs) -> None:  # noqa
               **ENGINE)
     assert _tokens(llm) == plain
     assert llm.engine.stats.num_accepted_tokens > 0
+
+
+def test_prefix_cache_hit_equals_cold(dirs: dict[str, str]) -> None:
+    """A second prompt sharing a cached prefix reads its pages and decodes as with no cache (the KV of an MoE
+    layer's attention is the same as a dense one's)."""
+    shared = [(7 * i + 3) % 128 for i in range(23)]
+    prompts = [shared + [1, 2, 3], shared + [4, 5]]
+    cold = _tokens(LLM(dirs["qwen2_moe"], dtype="float32", disable_prefix_cache=True, **ENGINE), prompts)
+    warm = LLM(dirs["qwen2_moe"], dtype="float32", **ENGINE)
+    first, second = _tokens(warm, prompts[:1]), _tokens(warm, prompts[1:])
+    assert warm.engine.kv.prefix_cache.stats.hit_tokens >= 20
+    assert first + second == cold

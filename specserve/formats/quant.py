@@ -276,7 +276,8 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCo
                     done([n for ns in names for n in ns])
                 continue
             # NOTE: one packed weight per expert: a step runs only the experts its rows route to
-            packed = [make(_codes(mode, [codes_of(n) for n in ns], float_of(ns, stacked[e]))) for e, ns in enumerate(names)]
+            packed = [make(_codes(mode, [codes_of(n) for n in ns], float_of(ns, stacked[e])))
+                      for e, ns in enumerate(names)]
             delattr(layer, name)
             setattr(layer, name, packed)
             done([n for ns in names for n in ns])

@@ -217,7 +217,8 @@ def gguf_weights(reader: Any, cfg: ModelConfig, name: str, dtype: torch.dtype = 
             arr = arr.copy()
         whole = torch.from_numpy(arr)
         try:  # Q3_K/IQ4_NL: rewritten exactly into a kernel's type (formats/transcode.py); stacked experts: none
-            whole_codes = None if blocks is None or len(shape) != 2 else gguf_blocks(*transcode(t.data, t.tensor_type.name), shape, t.name)
+            whole_codes = (None if blocks is None or len(shape) != 2
+                           else gguf_blocks(*transcode(t.data, t.tensor_type.name), shape, t.name))
         except UnsupportedBlockType:  # Q2_K/IQ4_XS: dequantized here, re-quantized by the mode
             whole_codes = None
         for name, rows in split_rows(cfg, hf_name(t.name, names)):  # a fused tensor: its parts' rows

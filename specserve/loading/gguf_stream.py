@@ -64,7 +64,8 @@ class GGUFTensors(Mapping):
         t, rows = self.by_name[name]
         whole = self._stacked.get(t.name)
         if whole is None:
-            whole = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(tensor_shape(t))
+            whole = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+            whole = whole.reshape(tensor_shape(t))
             if isinstance(rows, int):
                 self._stacked = {**dict(list(self._stacked.items())[-1:]), t.name: whole}
         w = whole[rows]

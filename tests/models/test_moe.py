@@ -2,7 +2,7 @@
 (HF directory, fp32, and the same directory converted by llama.cpp's convert_hf_to_gguf.py); a Q8_0 conversion
 runs every expert on the integer kernels, bit-equal whether a token runs alone, in a verify window or in a batch
 of 16; routing ties go as torch.topk (the reference) breaks them; a router wired to a wrong expert fails the
-equality; NGRAM, STANDALONE and EAGLE-3 speculation equal plain decoding.
+equality; NGRAM, STANDALONE, EAGLE-3, DFlash and DSpark speculation equal plain decoding.
 """
 from __future__ import annotations
 
@@ -263,17 +263,32 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_family_dir(tmp_path_factory.mktemp("draft") / "mistral", "mistral")
 
 
+def _artifact(algo: str, target_dir: str, out: Path) -> str:
+    """A randomly initialised learned drafter (EAGLE-3, DFlash, DSpark) for a target: its drafts are mostly
+    rejected, so verify's rejection path runs every step."""
+    from specserve.drafters.artifact import build_net, save_drafter
+    from specserve.drafters.nets import DrafterConfig
+    from specserve.loading.checkpoint import open_checkpoint
+
+    torch.manual_seed(3)
+    net = build_net(DrafterConfig.for_target(algo.lower(), open_checkpoint(target_dir).cfg))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    save_drafter(net, out, "", torch.float32)
+    return str(out)
+
+
 @pytest.mark.parametrize(("family", "algo"), [(f, "NGRAM") for f in MOE_FAMILIES]
-                         + [("qwen2_moe", "STANDALONE"), ("mixtral", "STANDALONE"), ("qwen3_moe", "EAGLE3")])
+                         + [("qwen2_moe", "STANDALONE"), ("mixtral", "STANDALONE"), ("qwen3_moe", "EAGLE3"),
+                            ("olmoe", "DFLASH"), ("qwen2_moe", "DSPARK")])
 def test_speculation_equals_plain(dirs: dict[str, str], draft_dir: str, tmp_path: Path, family: str,
                                   algo: str) -> None:
-    """A draft's windows (a tiny dense mistral's for STANDALONE, a random EAGLE-3 head reading the MoE target's
-    hidden states) verified on an MoE target: plain's tokens."""
-    from tests.models.test_families import _eagle3_dir
-
+    """A draft's windows (a tiny dense mistral's for STANDALONE; a random learned drafter reading the MoE
+    target's hidden states) verified on an MoE target: plain's tokens."""
     plain = _tokens(LLM(dirs[family], dtype="float32", **ENGINE))
-    path = {"STANDALONE": lambda: draft_dir, "EAGLE3": lambda: _eagle3_dir(dirs[family], tmp_path / "e3")}.get(algo)
-    draft = {"speculative_draft_model_path": path()} if path else {}
+    path = draft_dir if algo == "STANDALONE" else None if algo == "NGRAM" else _artifact(algo, dirs[family], tmp_path)
+    draft = {"speculative_draft_model_path": path} if path else {}
     llm = LLM(dirs[family], dtype="float32", speculative_algorithm=algo, speculative_num_draft_tokens=3,
               speculative_window="fixed", **draft, **ENGINE)
     assert _tokens(llm) == plain

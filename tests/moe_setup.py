@@ -21,10 +21,11 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 EXPERTS, TOP_K = 8, 2
 
 
-def moe_config(family: str, experts: int = EXPERTS):  # noqa: ANN201
+def moe_config(family: str, vocab: int = VOCAB):  # noqa: ANN201
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    experts = EXPERTS
+    common = dict(vocab_size=vocab, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=256, num_hidden_layers=2, num_experts_per_tok=TOP_K, eos_token_id=None,
                   bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
     if family == "qwen3_moe":
@@ -39,11 +40,11 @@ def moe_config(family: str, experts: int = EXPERTS):  # noqa: ANN201
 
 
 @lru_cache(maxsize=None)
-def moe_model(family: str, seed: int = 0):  # noqa: ANN201
+def moe_model(family: str, seed: int = 0, vocab: int = VOCAB):  # noqa: ANN201
     """A transformers MoE causal LM of `family` in fp32 with random weights (cached: treat as read-only)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = moe_config(family)
+    cfg = moe_config(family, vocab)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(cfg).to(torch.float32).eval()
@@ -54,12 +55,13 @@ def moe_model(family: str, seed: int = 0):  # noqa: ANN201
     return m
 
 
-def save_moe_dir(path: Path, family: str, seed: int = 0) -> str:
-    """An HF checkpoint dir (config.json, safetensors) plus a word-level tokenizer."""
+def save_moe_dir(path: Path, family: str, seed: int = 0, vocab: int = VOCAB,
+                 dtype: torch.dtype = torch.float32) -> str:
+    """An HF checkpoint dir (config.json, safetensors) plus a word-level tokenizer (tests/tiny.py's)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    copy.deepcopy(moe_model(family, seed)).save_pretrained(str(path))
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    copy.deepcopy(moe_model(family, seed, vocab)).to(dtype).save_pretrained(str(path))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({}))

@@ -236,7 +236,7 @@ def test_routing_ties_broken_as_the_reference_breaks_them(tmp_path: Path, monkey
     w, idx = moe.route(F.linear(h, router.weight), TOP_K, True)
     assert torch.equal(idx, ref_idx) and torch.equal(w, ref_w)
     assert (idx[:, 0] // 2 == idx[:, 1] // 2).all()  # each route is a tied pair
-    monkeypatch.setattr(moe_setup, "moe_model", lambda family, seed=0: tied)
+    monkeypatch.setattr(moe_setup, "moe_model", lambda family, seed=0, vocab=0: tied)
     path = moe_setup.save_moe_dir(tmp_path / "tied", "qwen3_moe")
     assert _tokens(LLM(path, dtype="float32", **ENGINE)) == _reference("qwen3_moe")
 
@@ -315,3 +315,20 @@ def test_prefix_cache_hit_equals_cold(dirs: dict[str, str]) -> None:
     first, second = _tokens(warm, prompts[:1]), _tokens(warm, prompts[1:])
     assert warm.engine.kv.prefix_cache.stats.hit_tokens >= 20
     assert first + second == cold
+
+
+@pytest.mark.slow
+def test_sampled_standalone_speculation_matches_the_moe_targets_distribution(tmp_path: Path) -> None:
+    """At T > 0, a dense draft's sampled windows verified on a Qwen2-MoE target (fp64, a 3-token vocabulary):
+    the engine's joint over 5 tokens is the target's exact joint."""
+    from tests.dist import engine_vs_exact_joint
+    from tests.tiny import save_tiny_hf_dir, tiny_config, tiny_state_dict
+
+    target = save_moe_dir(tmp_path / "t", "qwen2_moe", seed=1, vocab=3, dtype=torch.float64)
+    cfg = tiny_config("llama", vocab=3)
+    draft = save_tiny_hf_dir(cfg, tiny_state_dict(cfg, seed=12), tmp_path / "d")
+    llm = LLM(target, dtype="float64", speculative_algorithm="STANDALONE", speculative_draft_model_path=draft,
+              speculative_num_draft_tokens=3, max_running_requests=256)
+    fit = engine_vs_exact_joint(llm, [1, 2], 5, SamplingParams(temperature=6.0, max_tokens=5, top_p=0.95), 2500)
+    assert fit.ok, fit
+    assert sum(o.meta_info["spec_accepted_tokens"] for o in fit.outs) > 0

@@ -213,20 +213,28 @@ def test_expert_kernel_bit_equal_to_reference(dirs: dict[str, str], family: str)
 
 
 def _tied(family: str) -> torch.nn.Module:
-    """The family's model with every router's rows equal in pairs (experts 2i, 2i+1): exact ties in every route."""
+    """The family's model with every router's rows equal in quads (experts 0-3, 4-7): a route's top 2 are two of
+    four experts of exactly equal probability, so the tie-break picks them (and the experts' weights differ)."""
     import copy
 
     m = copy.deepcopy(moe_model(family))
     with torch.no_grad():
         for layer in m.model.layers:
             w = layer.mlp.gate.weight
-            w[1::2] = w[0::2]
+            w[1:4], w[5:8] = w[0], w[4]
     return m
 
 
+def _ties_reversed(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.route` breaking ties the other way: top-k over the experts in reverse order."""
+    w, idx = moe.route(logits.flip(-1), k, norm)
+    return w, logits.shape[-1] - 1 - idx
+
+
 def test_routing_ties_broken_as_the_reference_breaks_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ties between experts whose weights differ: our route picks the experts (and weights) transformers' router
-    picks, row by row, and a whole model of tied routers decodes transformers' tokens."""
+    """Exact ties between experts whose weights differ: our route picks the experts (and weights) transformers'
+    router picks, row by row, and a whole model of tied routers decodes transformers' tokens; breaking the ties
+    the other way does not."""
     from tests import moe_setup
 
     tied = _tied("qwen3_moe")
@@ -235,10 +243,14 @@ def test_routing_ties_broken_as_the_reference_breaks_them(tmp_path: Path, monkey
     _, ref_w, ref_idx = router(h)
     w, idx = moe.route(F.linear(h, router.weight), TOP_K, True)
     assert torch.equal(idx, ref_idx) and torch.equal(w, ref_w)
-    assert (idx[:, 0] // 2 == idx[:, 1] // 2).all()  # each route is a tied pair
+    assert (idx[:, 0] // 4 == idx[:, 1] // 4).all()  # two of a tied quad: the tie-break chose them
+    assert not torch.equal(_ties_reversed(F.linear(h, router.weight), TOP_K, True)[1].sort(-1)[0], idx.sort(-1)[0])
     monkeypatch.setattr(moe_setup, "moe_model", lambda family, seed=0, vocab=0: tied)
     path = moe_setup.save_moe_dir(tmp_path / "tied", "qwen3_moe")
-    assert _tokens(LLM(path, dtype="float32", **ENGINE)) == _reference("qwen3_moe")
+    reference = _reference("qwen3_moe")
+    assert _tokens(LLM(path, dtype="float32", **ENGINE)) == reference
+    monkeypatch.setattr(moe, "route", _ties_reversed)
+    assert _tokens(LLM(path, dtype="float32", **ENGINE)) != reference
 
 
 def test_a_router_wired_to_a_wrong_expert_fails_the_equality(dirs: dict[str, str],

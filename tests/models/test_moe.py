@@ -200,6 +200,10 @@ def test_expert_kernel_bit_equal_to_reference(dirs: dict[str, str], family: str)
     assert torch.equal(layer._mlp(h), ref)
     assert torch.equal(torch.cat([layer._mlp(c) for c in h.split(4)]), ref)
     assert torch.equal(torch.cat([layer._mlp(c) for c in h.split(1)]), ref)
+    fused = layer._mlp_fused(h)  # the lean loop's (the activation one op): batch-invariant too
+    assert torch.equal(torch.cat([layer._mlp_fused(c) for c in h.split(4)]), fused)
+    assert torch.equal(torch.cat([layer._mlp_fused(c) for c in h.split(1)]), fused)
+    assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-5)
     routed = moe.route(torch.ops.specserve.router_logits(h[:1], layer.router_w)[:, :EXPERTS], TOP_K,
                        layer.norm_topk)[1]
     layer._mlp(h[:1])

@@ -38,7 +38,18 @@ def _tokens(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
 
 
 def _reference(family: str) -> list[list[int]]:
+    """transformers' greedy tokens of PROMPTS (moe_setup's model, whatever it is now)."""
     return [moe_greedy(family, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+_REFERENCE: dict[str, list[list[int]]] = {}
+
+
+def _reference_of(family: str) -> list[list[int]]:
+    """`_reference` of the family's unmodified model, computed once."""
+    if family not in _REFERENCE:
+        _REFERENCE[family] = _reference(family)
+    return _REFERENCE[family]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +87,7 @@ def ggufs(dirs: dict[str, str], spm_model: Path, tmp_path_factory: pytest.TempPa
 def test_greedy_equals_transformers(dirs: dict[str, str], family: str) -> None:
     llm = LLM(dirs[family], dtype="float32", **ENGINE)
     assert llm.engine.model.cfg.architecture == family
-    assert _tokens(llm) == _reference(family)
+    assert _tokens(llm) == _reference_of(family)
 
 
 def test_configs_read_each_familys_switches() -> None:
@@ -100,13 +111,18 @@ def test_tensor_parallel_refused_by_name() -> None:
         Layout.make(ModelConfig.from_hf_dict(moe_model("mixtral").config.to_dict()), 0, 2)
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+# each conversion runs llama.cpp's converter (seconds): the families whose GGUF layout is their own (qwen2_moe's
+# shared expert, Mixtral's `llama` with interleaved q/k) always, the other two with the slow tests
+CONVERTED = [pytest.param(f, marks=[] if f in ("qwen2_moe", "mixtral") else [pytest.mark.slow]) for f in MOE_FAMILIES]
+
+
+@pytest.mark.parametrize("family", CONVERTED)
 def test_llama_cpp_conversion_loads_with_equal_tokens(ggufs, family: str) -> None:  # noqa: ANN001
     """An f32 GGUF (stacked `ffn_*_exps`, `ffn_gate_inp`, qwen2_moe's `*_shexp`; Mixtral's says `llama` with
     interleaved q/k rows) gives transformers' tokens."""
     llm = LLM(ggufs(family, "f32"), **ENGINE)
     assert llm.engine.model.cfg.architecture == family
-    assert _tokens(llm) == _reference(family)
+    assert _tokens(llm) == _reference_of(family)
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
@@ -150,7 +166,7 @@ def _logits_each_way(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.
     return {"prefill": run(len(ids)), "decode": run(1), "verify": run(4), "batch16": batch, "alone16": alone}
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", CONVERTED)
 def test_q8_0_conversion_serves_bit_equal_on_the_integer_kernels(ggufs, family: str) -> None:  # noqa: ANN001
     """A Q8_0 GGUF defaults to w8a8: every expert its own packed weight from the file's blocks. A token's logits
     are the same bits in a prefill, a decode, a verify window and a batch of 16 requests; they stay close to the
@@ -270,7 +286,17 @@ def test_a_router_wired_to_a_wrong_expert_fails_the_equality(dirs: dict[str, str
         return w, idx
 
     monkeypatch.setattr(moe, "route", wrong)
-    assert _tokens(LLM(dirs["mixtral"], dtype="float32", **ENGINE)) != _reference("mixtral")
+    assert _tokens(LLM(dirs["mixtral"], dtype="float32", **ENGINE)) != _reference_of("mixtral")
+
+
+_PLAIN: dict[str, list[list[int]]] = {}
+
+
+def _plain(dirs: dict[str, str], family: str) -> list[list[int]]:
+    """Plain (no speculation) greedy tokens of the family's directory, decoded once."""
+    if family not in _PLAIN:
+        _PLAIN[family] = _tokens(LLM(dirs[family], dtype="float32", **ENGINE))
+    return _PLAIN[family]
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +328,7 @@ def test_speculation_equals_plain(dirs: dict[str, str], draft_dir: str, tmp_path
                                   algo: str) -> None:
     """A draft's windows (a tiny dense mistral's for STANDALONE; a random learned drafter reading the MoE
     target's hidden states) verified on an MoE target: plain's tokens."""
-    plain = _tokens(LLM(dirs[family], dtype="float32", **ENGINE))
+    plain = _plain(dirs, family)
     path = draft_dir if algo == "STANDALONE" else None if algo == "NGRAM" else _artifact(algo, dirs[family], tmp_path)
     draft = {"speculative_draft_model_path": path} if path else {}
     llm = LLM(dirs[family], dtype="float32", speculative_algorithm=algo, speculative_num_draft_tokens=3,

@@ -2,7 +2,7 @@
 (HF directory, fp32, and the same directory converted by llama.cpp's convert_hf_to_gguf.py); a Q8_0 conversion
 runs every expert on the integer kernels, bit-equal whether a token runs alone, in a verify window or in a batch
 of 16; routing ties go as torch.topk (the reference) breaks them; a router wired to a wrong expert fails the
-equality; NGRAM, STANDALONE, EAGLE-3, DFlash and DSpark speculation equal plain decoding.
+equality; NGRAM, STANDALONE, EAGLE-3, DFlash, DSpark and HYBRID speculation equal plain decoding.
 """
 from __future__ import annotations
 
@@ -313,7 +313,8 @@ def _artifact(algo: str, target_dir: str, out: Path) -> str:
     from specserve.loading.checkpoint import open_checkpoint
 
     torch.manual_seed(3)
-    net = build_net(DrafterConfig.for_target(algo.lower(), open_checkpoint(target_dir).cfg))
+    kind = "eagle3" if algo == "HYBRID" else algo.lower()  # HYBRID: n-grams and an EAGLE-3 head
+    net = build_net(DrafterConfig.for_target(kind, open_checkpoint(target_dir).cfg))
     with torch.no_grad():
         for p in net.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -323,7 +324,7 @@ def _artifact(algo: str, target_dir: str, out: Path) -> str:
 
 @pytest.mark.parametrize(("family", "algo"), [(f, "NGRAM") for f in MOE_FAMILIES]
                          + [("qwen2_moe", "STANDALONE"), ("mixtral", "STANDALONE"), ("qwen3_moe", "EAGLE3"),
-                            ("olmoe", "DFLASH"), ("qwen2_moe", "DSPARK")])
+                            ("olmoe", "DFLASH"), ("qwen2_moe", "DSPARK"), ("mixtral", "HYBRID")])
 def test_speculation_equals_plain(dirs: dict[str, str], draft_dir: str, tmp_path: Path, family: str,
                                   algo: str) -> None:
     """A draft's windows (a tiny dense mistral's for STANDALONE; a random learned drafter reading the MoE

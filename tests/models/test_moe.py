@@ -104,11 +104,10 @@ def test_configs_read_each_familys_switches() -> None:
         ModelConfig.from_hf_dict(dense)
 
 
-def test_tensor_parallel_refused_by_name() -> None:
-    from specserve.parallel.shard import Layout
-
+def test_tensor_parallel_refused_by_name(dirs: dict[str, str]) -> None:
+    """Before any process starts."""
     with pytest.raises(ValueError, match="mixture-of-experts targets \\(mixtral\\)"):
-        Layout.make(ModelConfig.from_hf_dict(moe_model("mixtral").config.to_dict()), 0, 2)
+        LLM(dirs["mixtral"], dtype="float32", tp_size=2, **ENGINE)
 
 
 # each conversion runs llama.cpp's converter (seconds): the families whose GGUF layout is their own (qwen2_moe's

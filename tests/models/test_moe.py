@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specserve.bench.real import file_weight_bytes, streamed_weight_bytes
 from specserve.core import SamplingParams
 from specserve.engine.llm import LLM
 from specserve.formats.quant import BlockQuantWeight
@@ -183,6 +184,8 @@ def test_q8_0_conversion_serves_bit_equal_on_the_integer_kernels(ggufs, family: 
     assert torch.equal(ways["batch16"], ways["alone16"])
     a, b = ref_logits(fast, ids), ref_logits(exact, ids)
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99
+    # bench real's bytes a decode step reads, packed and in the file: a token's k experts of E, both
+    assert 0.8 < streamed_weight_bytes(fast) / file_weight_bytes(path) < 1.2
 
 
 def _reference_moe(layer: moe.MoEDecoderLayer, h: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 (HF directory, fp32, and the same directory converted by llama.cpp's convert_hf_to_gguf.py); a Q8_0 conversion
 runs every expert on the integer kernels, bit-equal whether a token runs alone, in a verify window or in a batch
 of 16; routing ties go as torch.topk (the reference) breaks them; a router wired to a wrong expert fails the
-equality; NGRAM, STANDALONE, EAGLE-3, DFlash, DSpark and HYBRID speculation equal plain decoding.
+equality; NGRAM, STANDALONE, EAGLE-3, DFlash, DSpark and HYBRID speculation equal plain decoding, and sampled
+STANDALONE speculation keeps the target's exact distribution; the prefix cache hits exactly; TP is refused.
 """
 from __future__ import annotations
 

@@ -179,13 +179,17 @@ def stated_acceptance(engine: Any, reference: dict[tuple[int, ...], list[int]], 
 
 
 def streamed_weight_bytes(model: Any) -> int:
-    """Bytes of every matrix a decode step multiplies (the embedding is gathered, not streamed)."""
+    """Bytes of every matrix a decode step multiplies (the embedding is gathered, not streamed); an MoE layer's:
+    its top-k experts' (what one token reads) and its shared expert's."""
     import torch
 
     total = 0
     for layer in model.layers:
         for a in ("qkv_w", "o_w", "gate_up_w", "down_w"):
-            total += _nbytes(getattr(layer, a))
+            w = getattr(layer, a)
+            total += 0 if w is None else _nbytes(w)
+        if hasattr(layer, "expert_nbytes"):
+            total += layer.top_k * layer.expert_nbytes(0)
     head = model.lm_head
     return total + (_nbytes(head) if not isinstance(head, torch.Tensor) or head is not model.embed else head.nbytes)
 
@@ -199,12 +203,17 @@ def _nbytes(w: Any) -> int:
 
 
 def file_weight_bytes(path: str) -> int:
-    """A GGUF's matrices a decode step reads: all but the embedding, unless it is also the (tied) head."""
+    """A GGUF's matrices a decode step reads: all but the embedding, unless it is also the (tied) head; of an
+    MoE's stacked experts (`*_exps`), the `expert_used_count` of `expert_count` one token reads."""
     from ..formats.gguf_file import GGUFFile
 
-    tensors = GGUFFile(path).tensors
-    tied = not any(t.name == "output.weight" for t in tensors)
-    return sum(t.n_bytes for t in tensors if tied or t.name != "token_embd.weight")
+    f = GGUFFile(path)
+    arch = f.fields["general.architecture"].contents()
+    used, count = (f.fields.get(f"{arch}.{k}") for k in ("expert_used_count", "expert_count"))
+    share = used.contents() / count.contents() if used is not None and count is not None else 1.0
+    tied = not any(t.name == "output.weight" for t in f.tensors)
+    return round(sum(t.n_bytes * (share if t.name.endswith("_exps.weight") else 1.0)
+                     for t in f.tensors if tied or t.name != "token_embd.weight"))
 
 
 def run(a: argparse.Namespace) -> dict:

@@ -231,7 +231,8 @@ def check_quantizable(cfg: "ModelConfig", mode: str) -> None:  # noqa: F821
 def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCodes] | Callable | None" = None,
                    dense: Callable[[str], torch.Tensor] | None = None, head_rows: torch.Tensor | None = None,
                    done: Callable[[list[str]], None] = lambda names: None) -> None:
-    """Swap every projection and the LM head of a LlamaModel for quantized weights in place.
+    """Swap every projection (an MoE's experts too, each on its own) and the LM head of a LlamaModel for
+    quantized weights in place.
     `blocks`: HF name → the GGUF file's exact blocks (a dict from load_gguf, or a lookup function), None
     where the file has none. `dense`: HF name → the float weight, for weights the mode re-quantizes; without
     it the model's own (loaded) float weights are used. With `dense`, the model's float matrices need not be
@@ -265,6 +266,21 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCo
             delattr(layer, name)  # a Parameter slot cannot hold the packed weight
             setattr(layer, name, make(_codes(mode, file_codes, float_of(names, w))))
             done(names)
+        for name, parts in getattr(model, "EXPERTS", {}).items():  # an MoE's stacked experts (models/moe.py)
+            stacked = getattr(layer, name)
+            names = [[f"model.layers.{i}.{p.format(e=e)}.weight" for p in parts] for e in range(stacked.shape[0])]
+            if not ok(stacked[0]):
+                if dense:  # stays float: load it now
+                    for e, ns in enumerate(names):
+                        stacked[e].copy_(float_of(ns, stacked[e])())
+                    done([n for ns in names for n in ns])
+                continue
+            # NOTE: one packed weight per expert: a step runs only the experts its rows route to
+            packed = [make(_codes(mode, [codes_of(n) for n in ns], float_of(ns, stacked[e])))
+                      for e, ns in enumerate(names)]
+            delattr(layer, name)
+            setattr(layer, name, packed)
+            done([n for ns in names for n in ns])
     key = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
     head_codes, head_float = codes_of(key), float_of([key], model.lm_head)
     if head_rows is not None:

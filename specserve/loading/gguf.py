@@ -15,7 +15,7 @@ from ..formats.gguf_blocks import BlockCodes, UnsupportedBlockType, gguf_blocks
 from ..formats.transcode import transcode
 from ..models.registry import family, normalize_architecture
 from ..tokenizer.tokenizer import Tokenizer
-from .names import hf_name, layer_names, split_rows
+from .names import hf_name, layer_names, permutes_qk, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +87,19 @@ def _llama3_from_freqs(freqs: np.ndarray, head_dim: int, theta: float) -> dict[s
     return cand
 
 
+def gguf_architecture(reader: Any) -> str:
+    """The registry key of a GGUF's `general.architecture`; llama.cpp writes Mixtral as `llama` with experts."""
+    raw = str(_field(reader, "general.architecture"))
+    arch = normalize_architecture(raw)
+    return "mixtral" if arch == "llama" and _field(reader, f"{raw}.expert_count") else arch
+
+
 def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]],
                 tensor: Any = lambda name: None) -> ModelConfig:
     """ModelConfig from GGUF metadata. `tensor_shapes` are HF-order shapes keyed by GGUF name; `tensor(name)`
     reads a small tensor (fp32 numpy) or gives None (rope_freqs, a family's rope factors)."""
     arch_raw = _field(reader, "general.architecture")
-    arch = normalize_architecture(str(arch_raw))
+    arch = gguf_architecture(reader)
     g = lambda k, d=None: _field(reader, f"{arch_raw}.{k}", d)  # noqa: E731
     hidden = int(g("embedding_length"))
     heads = int(g("attention.head_count"))
@@ -154,7 +161,7 @@ def open_gguf(path: Path) -> tuple[Any, ModelConfig, Tokenizer]:
         raise ValueError(f"{path.name}: not a readable GGUF file ({type(e).__name__}: {e}); "
                          f"it may be truncated or corrupt ({size} bytes)") from None
     try:  # the architecture first: an unsupported family's tensors are refused by its name, not by a tensor's
-        arch = normalize_architecture(str(_field(reader, "general.architecture")))
+        arch = gguf_architecture(reader)
     except ValueError as e:
         raise ValueError(f"{path.name}: {e}") from None
     names = layer_names(arch)
@@ -196,8 +203,8 @@ def gguf_weights(reader: Any, cfg: ModelConfig, name: str, dtype: torch.dtype = 
     parallelism streams instead (gguf_stream.py): this path holds the whole model in `dtype`."""
     from gguf.quants import dequantize
 
-    # llama.cpp only permutes q/k for the llama family (incl. mistral/smollm); qwen keeps HF layout.
-    permuted = cfg.architecture == "llama"
+    # llama.cpp only permutes q/k for the llama family (incl. mistral/smollm/mixtral); qwen keeps HF layout.
+    permuted = permutes_qk(cfg.architecture)
     names = layer_names(cfg.architecture)
 
     weights: dict[str, torch.Tensor] = {}
@@ -209,8 +216,9 @@ def gguf_weights(reader: Any, cfg: ModelConfig, name: str, dtype: torch.dtype = 
         if not arr.flags.writeable:  # F32 comes back as a view of the read-only mmap: own a copy
             arr = arr.copy()
         whole = torch.from_numpy(arr)
-        try:  # Q3_K/IQ4_NL: rewritten exactly into a kernel's type (formats/transcode.py)
-            whole_codes = None if blocks is None else gguf_blocks(*transcode(t.data, t.tensor_type.name), shape, t.name)
+        try:  # Q3_K/IQ4_NL: rewritten exactly into a kernel's type (formats/transcode.py); stacked experts: none
+            whole_codes = (None if blocks is None or len(shape) != 2
+                           else gguf_blocks(*transcode(t.data, t.tensor_type.name), shape, t.name))
         except UnsupportedBlockType:  # Q2_K/IQ4_XS: dequantized here, re-quantized by the mode
             whole_codes = None
         for name, rows in split_rows(cfg, hf_name(t.name, names)):  # a fused tensor: its parts' rows

@@ -22,7 +22,7 @@ from ..models.embedding import GGUFEmbedding
 from ..formats.gguf_blocks import NATIVE
 from ..formats.transcode import TRANSCODED, transcode
 from .gguf import hf_form, tensor_shape, unpermute_rotary
-from .names import hf_name, layer_names, split_rows
+from .names import hf_name, layer_names, permutes_qk, split_rows
 from ..models.config import ModelConfig
 from ..formats.gguf_repack import RawBlocks
 from ..models.llama import LlamaModel
@@ -44,8 +44,11 @@ class GGUFTensors(Mapping):
         # HF name → (GGUF tensor, its rows)
         self.by_name = {n: (t, rows) for t in reader.tensors if (h := hf_name(t.name, names)) is not None
                         for n, rows in split_rows(cfg, h)}
-        permuted = cfg.architecture == "llama"
+        permuted = permutes_qk(cfg.architecture)
         self.heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads} if permuted else {}
+        # NOTE: the stacked expert tensors last dequantized (gate and up: an expert's fused weight reads both), by
+        # GGUF name: their E experts are asked for one after another
+        self._stacked: dict[str, torch.Tensor] = {}
 
     def _rows(self, name: str) -> int | None:
         """Heads whose rows convert_hf_to_gguf interleaved, for a llama-family q/k weight, else None."""
@@ -59,7 +62,13 @@ class GGUFTensors(Mapping):
         from gguf.quants import dequantize
 
         t, rows = self.by_name[name]
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(tensor_shape(t))[rows]
+        whole = self._stacked.get(t.name)
+        if whole is None:
+            whole = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+            whole = whole.reshape(tensor_shape(t))
+            if isinstance(rows, int):
+                self._stacked = {**dict(list(self._stacked.items())[-1:]), t.name: whole}
+        w = whole[rows]
         n = self._rows(name)
         return hf_form(self.cfg, name, w if n is None else unpermute_rotary(w, n), torch.float32)
 
@@ -69,6 +78,8 @@ class GGUFTensors(Mapping):
             return None
         t, rows = self.by_name[name]
         shape = tensor_shape(t)
+        if isinstance(rows, int):  # expert `rows` of a stacked [E, N, K] tensor: its own [N, K] blocks
+            shape = shape[1:]
         # a fused tensor's part: a view of its rows, every block whole; Q3_K/IQ4_NL rewritten exactly
         # (formats/transcode.py)
         data, qtype = transcode(t.data[rows], t.tensor_type.name)
@@ -87,6 +98,7 @@ class GGUFTensors(Mapping):
         for n in names:
             if n in self.by_name and hasattr(self.reader, "release"):
                 self.reader.release(self.by_name[n][0])
+        self._stacked = {}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.by_name)
@@ -102,6 +114,8 @@ def resident_estimate(reader: Any) -> int:
     for t in reader.tensors:
         shape = tensor_shape(t)
         kind = t.tensor_type.name
+        if len(shape) == 3:  # stacked experts: E matrices
+            shape = (shape[0] * shape[1], shape[2])
         if len(shape) == 2 and kind in TRANSCODED:  # rewritten (formats/transcode.py): its new block size
             total += int(t.n_bytes * TRANSCODED[kind][2] / TRANSCODED[kind][1] * 1.15)
         elif len(shape) == 2 and kind in NATIVE:  # packed formats stay within 15% of the file's bytes (Q4_0: its offsets)

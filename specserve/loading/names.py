@@ -22,6 +22,8 @@ LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# a GGUF's stacked experts under their HF leaf without the index (`mlp.experts.gate_proj`): [E, rows, cols]
+_STACKED = re.compile(r"^(.*\.experts)\.([a-z]\w*)$")
 
 
 def layer_names(arch: str) -> dict[str, str]:
@@ -46,9 +48,19 @@ def _part_rows(cfg: ModelConfig, leaf: str) -> int:
             "mlp.gate_proj": cfg.intermediate_size, "mlp.up_proj": cfg.intermediate_size}[leaf]
 
 
-def split_rows(cfg: ModelConfig, name: str) -> list[tuple[str, slice]]:
-    """(canonical name, its rows of `name`) per part: `name` whole unless the family stores it fused."""
+def permutes_qk(arch: str) -> bool:
+    """convert_hf_to_gguf interleaves q/k rows for the llama family (incl. mistral, smollm, mixtral) only."""
+    return arch in ("llama", "mixtral")
+
+
+def split_rows(cfg: ModelConfig, name: str) -> list[tuple[str, "slice | int"]]:
+    """(canonical name, its rows of `name`) per part: `name` whole unless the family stores it fused. An MoE's
+    stacked experts [E, rows, cols] → expert e's HF name (`experts.{e}.`) and index e."""
     m = _LAYER.match(name)
+    stacked = _STACKED.match(m.group(2)) if m and cfg.num_experts else None
+    if stacked:
+        return [(f"model.layers.{m.group(1)}.{stacked.group(1)}.{e}.{stacked.group(2)}.{m.group(3)}", e)
+                for e in range(cfg.num_experts)]
     parts = getattr(family(cfg.architecture), "FUSED", {}).get(m.group(2)) if m else None
     if parts is None:
         return [(name, slice(None))]

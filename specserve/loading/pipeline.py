@@ -28,7 +28,7 @@ def default_quantization(ckpt: Checkpoint, dtype: str, quantization: str | None)
         return None if quantization == "none" else quantization
     if dtype != "auto":
         return None
-    kinds = ckpt.tensor_types("ffn_down.weight")
+    kinds = ckpt.tensor_types("ffn_down.weight") | ckpt.tensor_types("ffn_down_exps.weight")  # dense or MoE
     return "w4a8" if kinds & NARROW else "w8a8" if "Q8_0" in kinds else None
 
 

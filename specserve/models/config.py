@@ -43,6 +43,14 @@ class ModelConfig:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # mixture of experts (models/moe.py): every layer's MLP is `num_experts` SwiGLU experts of
+    # `moe_intermediate_size`, `num_experts_per_tok` of them per token; 0 experts = a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: one always-on expert, gated by sigmoid(x · g)
+    qk_norm_whole: bool = False  # olmoe: q and k RMS-normed over the whole projection, not per head
 
     @property
     def is_hybrid(self) -> bool:
@@ -72,11 +80,19 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
     def num_params(self) -> int:
         """Parameters of a llama-family decoder of this geometry (attention + MLP + embedding and head): how
-        big a model is, for comparing a draft with its target before loading either."""
+        big a model is, for comparing a draft with its target before loading either. An MoE counts every
+        expert (what a load holds), not the ones a token reads."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layer = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        h = self.hidden_size
+        mlp = (3 * h * (self.num_experts * self.moe_intermediate_size + self.shared_expert_intermediate_size)
+               + h * (self.num_experts + 1) if self.is_moe else 3 * h * self.intermediate_size)
+        layer = h * (2 * q + 2 * kv) + mlp
         heads = 1 if self.tie_word_embeddings else 2
         return self.num_layers * layer + heads * self.vocab_size * self.hidden_size
 

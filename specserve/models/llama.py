@@ -54,8 +54,10 @@ class DecoderLayer(nn.Module):
         self.input_norm = e(h)
         self.qkv_w = e(qkv_out, h)
         self.qkv_b = e(qkv_out) if cfg.attention_bias else None
-        self.q_norm = e(hd) if cfg.qk_norm else None
-        self.k_norm = e(hd) if cfg.qk_norm else None
+        # per head (qwen3, gemma3), or over the whole projection (olmoe: `qk_whole`)
+        self.qk_whole = cfg.qk_norm_whole
+        self.q_norm = e(self.nq * hd if self.qk_whole else hd) if cfg.qk_norm else None
+        self.k_norm = e(self.nkv * hd if self.qk_whole else hd) if cfg.qk_norm else None
         self.o_w = e(h, self.nq * hd)
         self.post_norm = e(h)  # before the MLP
         self.gate_up_w = e(2 * cfg.intermediate_size, h)
@@ -83,15 +85,32 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, fb, k_cache, v_cache, self.window, self.scale, self.softcap)
         x = x + self._norm(self._reduce(linear(o, self.o_w)), self.attn_out_norm)
-        gate, up = linear(self._norm(x, self.post_norm), self.gate_up_w).chunk(2, dim=-1)
-        return x + self._norm(self._reduce(linear(self.act(gate) * up, self.down_w)), self.mlp_out_norm)
+        return x + self._norm(self._mlp(self._norm(x, self.post_norm)), self.mlp_out_norm)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The feed-forward block on normed rows (an MoE layer overrides it: models/moe.py)."""
+        gate, up = linear(h, self.gate_up_w).chunk(2, dim=-1)
+        return self._reduce(linear(self.act(gate) * up, self.down_w))
+
+    def _mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
+        """`_mlp` on the fused ops (the lean loop)."""
+        gu = linear(h, self.gate_up_w)
+        if self.act_name == "silu":
+            a = torch.ops.specserve.silu_mul(gu)
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            a = self.act(gate) * up
+        return self._reduce(linear(a, self.down_w))
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Packed rows [T, H] → q [T, nq, hd], k, v [T, nkv, hd] (Qwen3, Gemma 3: q/k RMS-normed per head)."""
         T = h.shape[0]
         q, k, v = linear(h, self.qkv_w, self.qkv_b).split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
-        q, k, v = q.view(T, self.nq, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_whole:
+            q = F.rms_norm(q, (q.shape[-1],), self.q_norm, self.eps)
+            k = F.rms_norm(k, (k.shape[-1],), self.k_norm, self.eps)
+        q, k, v = q.reshape(T, self.nq, self.hd), k.reshape(T, self.nkv, self.hd), v.reshape(T, self.nkv, self.hd)
+        if self.q_norm is not None and not self.qk_whole:
             q = F.rms_norm(q, (self.hd,), self.q_norm, self.eps)
             k = F.rms_norm(k, (self.hd,), self.k_norm, self.eps)
         return q, k, v
@@ -113,24 +132,19 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             o = ops.rms_norm(o, self.attn_out_norm, self.eps)
         h = ops.add_rms_norm(x, o, self.post_norm, self.eps)
-        gu = linear(h, self.gate_up_w)
-        if self.act_name == "silu":
-            a = ops.silu_mul(gu)
-        else:
-            gate, up = gu.chunk(2, dim=-1)
-            a = self.act(gate) * up
-        out = self._reduce(linear(a, self.down_w))
+        out = self._mlp_fused(h)
         return out if self.mlp_out_norm is None else ops.rms_norm(out, self.mlp_out_norm, self.eps)
 
 
 class LlamaModel(nn.Module):
     PARTS, NORMS = PARTS, NORMS
+    LAYER = DecoderLayer  # an MoE model's layers: models/moe.py
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.LAYER(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)

@@ -18,6 +18,8 @@ from typing import Any
 FAMILIES = {
     "llama": "llama", "qwen2": "llama", "qwen3": "llama", "mistral": "mistral", "phi3": "phi3",
     "gemma2": "gemma", "gemma3": "gemma", "qwen3_5": "qwen3_5",
+    # mixture of experts (models/moe.py)
+    "qwen2_moe": "qwen_moe", "qwen3_moe": "qwen_moe", "mixtral": "mixtral", "olmoe": "olmoe",
 }
 # HF `architectures[0]` / `model_type` / GGUF `general.architecture` → registry key
 _ALIASES = {
@@ -31,6 +33,10 @@ _ALIASES = {
     # hybrid Gated DeltaNet + gated attention (text only; the multimodal checkpoint's language model)
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "qwen2_moe": "qwen2_moe", "qwen2moe": "qwen2_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "mixtral": "mixtral", "MixtralForCausalLM": "mixtral",  # its GGUF says llama (loading/gguf.py)
+    "olmoe": "olmoe", "OlmoeForCausalLM": "olmoe",
 }
 SUPPORTED = tuple(FAMILIES)
 

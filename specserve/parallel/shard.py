@@ -46,6 +46,9 @@ class Layout:
         if cfg.is_hybrid:
             raise ValueError(f"--tp-size {world}: tensor parallelism supports llama/qwen2/qwen3 targets, "
                              f"not {cfg.architecture} (hybrid recurrent)")
+        if cfg.is_moe:
+            raise ValueError(f"--tp-size {world}: tensor parallelism does not shard mixture-of-experts targets "
+                             f"({cfg.architecture}); serve it on one rank (--tp-size 1)")
         if cfg.num_kv_heads < world:
             raise ValueError(f"--tp-size {world}: the model has {cfg.num_kv_heads} KV heads; each rank needs at "
                              f"least one (use --tp-size <= {cfg.num_kv_heads})")

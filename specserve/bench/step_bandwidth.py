@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +24,13 @@ CHECK_TOLERANCE = 0.10
 
 def measure_specserve(engine: Any, rows: list[int], ctx: int, repeats: int) -> dict[str, dict[str, float]]:
     """Median seconds of an n-token forward at context ctx, per n."""
-    from .step_time import _step
+    from .step_time import _step, median_seconds
 
     out = {}
     for n in rows:
         fn, pt = _step(engine, n, ctx)
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
+        out[str(n)] = {"ms": median_seconds(fn, repeats) * 1000}
         engine.kv.release(pt)
-        out[str(n)] = {"ms": statistics.median(times) * 1000}
     return out
 
 

@@ -70,8 +70,8 @@ def _step(engine, n_new: int, ctx: int):  # noqa: ANN001, ANN202
     return fn, pt
 
 
-def measure(engine, n_new: int, ctx: int, repeats: int) -> dict:  # noqa: ANN001
-    fn, pt = _step(engine, n_new, ctx)
+def median_seconds(fn, repeats: int) -> float:  # noqa: ANN001
+    """Median wall time of fn() over `repeats` calls, after 3 unmeasured ones."""
     for _ in range(3):
         fn()
     times = []
@@ -79,6 +79,12 @@ def measure(engine, n_new: int, ctx: int, repeats: int) -> dict:  # noqa: ANN001
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure(engine, n_new: int, ctx: int, repeats: int) -> dict:  # noqa: ANN001
+    fn, pt = _step(engine, n_new, ctx)
+    seconds = median_seconds(fn, repeats)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -94,7 +100,7 @@ def measure(engine, n_new: int, ctx: int, repeats: int) -> dict:  # noqa: ANN001
     engine.kv.release(pt)
     layers = engine.model.cfg.num_layers
     return {
-        "ms": statistics.median(times) * 1000,
+        "ms": seconds * 1000,
         "profiled_ms": wall_prof * 1000,
         "self_ms": {k: round(v, 3) for k, v in by_kind.items()},
         "outside_ops_ms": round(wall_prof * 1000 - op_self, 3),

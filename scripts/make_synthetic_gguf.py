@@ -1,4 +1,5 @@
-"""Write a random-weight GGUF with Qwen2.5-7B-Instruct's geometry and Q4_K_M's tensor types.
+"""Write a random-weight GGUF with Qwen2.5-7B-Instruct's geometry (or, with --experts, a Qwen3-MoE one) and Q4_K_M's
+tensor types.
 
 For measuring load memory, decode speed and draft/target step cost at 7B scale where no real 7B file can be
 had. The weights are random (so the text is meaningless) but sized so activations stay finite and the logits
@@ -6,6 +7,12 @@ are spread out. The tokenizer comes from a real GGUF, so prompts and chat templa
 the real model.
 
     python scripts/make_synthetic_gguf.py --out ~/.cache/specserve/models/synthetic-qwen2.5-7b-q4_k_m.gguf
+    python scripts/make_synthetic_gguf.py --experts 64 --out ~/.cache/specserve/models/synthetic-qwen3moe-7b-a1b-q4_k_m.gguf
+
+`--experts E` writes `qwen3moe`: OLMoE-1B-7B's expert geometry (16 layers, hidden 2048, 64 experts of 1024, 8 used
+per token: 7B weights, ~1.3B read per token) with Qwen3's attention (per-head q/k norms, no biases), the router in
+F32 as llama.cpp's quantizer leaves it, and the stacked `ffn_*_exps` in Q4_K (ffn_down_exps Q6_K in Q4_K_M's
+layers with more bits), ~4 GB. Its unset sizes default to that geometry.
 
 K-quant blocks are built directly as bytes (layouts as in gguf/quants.py) and streamed tensor by tensor in
 row chunks, so the writer's memory stays at a few chunks whatever the file size (~4.7 GB by default).
@@ -107,15 +114,15 @@ class LazyTensor:
 
     def tofile(self, fp: IO[bytes]) -> None:
         s = self.spec
-        if s.qtype == F32:  # 1-D norms (≈ 1) and biases (≈ 0): tiny
+        if s.qtype == F32:  # norms (≈ 1), biases (≈ 0), a router: small
             base = 1.0 if s.name.endswith("norm.weight") else 0.0
             (base + s.std * self.rng.standard_normal(s.shape)).astype(np.float32).tofile(fp)
             return
-        rows = s.shape[0]
+        rows = int(np.prod(s.shape[:-1]))  # stacked experts: every expert's rows, one after another
         live = rows if s.live_rows < 0 else s.live_rows
         step = max(1, CHUNK_BYTES // s.row_bytes)
         make = q4_k_blocks if s.qtype == Q4_K else q6_k_blocks
-        per_row = s.shape[1] // QK
+        per_row = s.shape[-1] // QK
         for r0 in range(0, rows, step):
             n = min(step, rows - r0)
             b = make(self.rng, n * per_row, s.std)
@@ -132,6 +139,9 @@ def tensor_specs(a: argparse.Namespace, n_tokens: int) -> list[Spec]:
     out = [Spec("token_embd.weight", Q4_K, (a.vocab_rows, h), 0.02, n_tokens)]
     for i in range(a.layers):
         p, heavy = f"blk.{i}.", Q6_K if i in big else Q4_K
+        if a.experts:
+            out += moe_layer_specs(a, p, heavy)
+            continue
         # 1/sqrt(fan_in) keeps every projection's output near unit scale at any width.
         out += [
             Spec(p + "attn_norm.weight", F32, (h,), 0.02),
@@ -147,6 +157,23 @@ def tensor_specs(a: argparse.Namespace, n_tokens: int) -> list[Spec]:
     out += [Spec("output_norm.weight", F32, (h,), 0.02),
             Spec("output.weight", Q6_K, (a.vocab_rows, h), h ** -0.5, n_tokens)]
     return out
+
+
+def moe_layer_specs(a: argparse.Namespace, p: str, heavy: GGMLQuantizationType) -> list[Spec]:
+    """One qwen3moe layer: attention without biases, per-head q/k norms, an F32 router, stacked experts."""
+    h, hd, e, inter = a.hidden, a.hidden // a.heads, a.experts, a.expert_intermediate
+    q, kv = a.heads * hd, a.kv_heads * hd
+    return [
+        Spec(p + "attn_norm.weight", F32, (h,), 0.02),
+        Spec(p + "attn_q.weight", Q4_K, (q, h), h ** -0.5), Spec(p + "attn_k.weight", Q4_K, (kv, h), h ** -0.5),
+        Spec(p + "attn_v.weight", heavy, (kv, h), h ** -0.5), Spec(p + "attn_output.weight", Q4_K, (h, q), q ** -0.5),
+        Spec(p + "attn_q_norm.weight", F32, (hd,), 0.02), Spec(p + "attn_k_norm.weight", F32, (hd,), 0.02),
+        Spec(p + "ffn_norm.weight", F32, (h,), 0.02),
+        Spec(p + "ffn_gate_inp.weight", F32, (e, h), h ** -0.5),  # the router: random logits, so routes spread
+        Spec(p + "ffn_gate_exps.weight", Q4_K, (e, inter, h), h ** -0.5),
+        Spec(p + "ffn_up_exps.weight", Q4_K, (e, inter, h), h ** -0.5),
+        Spec(p + "ffn_down_exps.weight", heavy, (e, h, inter), inter ** -0.5),
+    ]
 
 
 def copy_tokenizer(src: Path, w: GGUFWriter, rows: int | None) -> int:
@@ -179,11 +206,13 @@ def copy_tokenizer(src: Path, w: GGUFWriter, rows: int | None) -> int:
 def write(a: argparse.Namespace) -> list[Spec]:
     if a.hidden % a.heads or a.heads % a.kv_heads:
         raise SystemExit("--hidden must divide by --heads, and --heads by --kv-heads")
-    if a.hidden % QK or a.intermediate % QK:
-        raise SystemExit(f"K-quants need --hidden and --intermediate to be multiples of {QK}")
+    if a.hidden % QK or a.intermediate % QK or a.expert_intermediate % QK:
+        raise SystemExit(f"K-quants need --hidden, --intermediate and --expert-intermediate to be multiples of {QK}")
+    if a.experts and not 0 < a.experts_used <= a.experts:
+        raise SystemExit("--experts-used must be in 1..--experts")
     out = Path(a.out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
-    w = GGUFWriter(str(out), "qwen2")
+    w = GGUFWriter(str(out), "qwen3moe" if a.experts else "qwen2")
     w.add_name(a.name)
     w.add_block_count(a.layers)
     w.add_context_length(a.context_length)
@@ -191,6 +220,10 @@ def write(a: argparse.Namespace) -> list[Spec]:
     w.add_feed_forward_length(a.intermediate)
     w.add_head_count(a.heads)
     w.add_head_count_kv(a.kv_heads)
+    if a.experts:
+        w.add_expert_count(a.experts)
+        w.add_expert_used_count(a.experts_used)
+        w.add_expert_feed_forward_length(a.expert_intermediate)
     w.add_rope_freq_base(a.rope_theta)
     w.add_layer_norm_rms_eps(a.rms_eps)
     w.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
@@ -218,19 +251,29 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="GGUF path to write")
     p.add_argument("--tokenizer-from", default=str(DEFAULT_TOKENIZER), help="GGUF whose tokenizer.* fields to copy")
-    p.add_argument("--hidden", type=int, default=3584)
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--heads", type=int, default=28)
+    p.add_argument("--hidden", type=int, default=None, help="default 3584 (MoE: 2048)")
+    p.add_argument("--layers", type=int, default=None, help="default 28 (MoE: 16)")
+    p.add_argument("--heads", type=int, default=None, help="default 28 (MoE: 16)")
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=18944)
+    p.add_argument("--intermediate", type=int, default=18944, help="a dense MLP's width (ignored with --experts)")
+    p.add_argument("--experts", type=int, default=0, help="write a qwen3moe file with this many experts per layer")
+    p.add_argument("--experts-used", type=int, default=8, help="experts a token routes to")
+    p.add_argument("--expert-intermediate", type=int, default=1024, help="each expert's MLP width")
     p.add_argument("--vocab-rows", type=int, default=152064, 
                    help="embedding/head rows (≥ the token count; 0 = the token count)")
     p.add_argument("--context-length", type=int, default=32768)
     p.add_argument("--rope-theta", type=float, default=1e6)
     p.add_argument("--rms-eps", type=float, default=1e-6)
-    p.add_argument("--name", default="Synthetic Qwen2.5 7B Instruct (random weights)")
+    p.add_argument("--name", default=None)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    moe = bool(a.experts)
+    for k, dense, sparse in (("hidden", 3584, 2048), ("layers", 28, 16), ("heads", 28, 16)):
+        if getattr(a, k) is None:
+            setattr(a, k, sparse if moe else dense)
+    a.name = a.name or ("Synthetic Qwen3-MoE 7B-A1B (random weights)" if moe
+                        else "Synthetic Qwen2.5 7B Instruct (random weights)")
+    return a
 
 
 def main(argv: Sequence[str] | None = None) -> list[Spec]:

@@ -125,3 +125,39 @@ def test_qwen_tokenizer_padded_vocab_rows(tmp_path: Path) -> None:
     except ImportError:
         return
     assert Llama(model_path=str(out), n_ctx=64, verbose=False).n_vocab() == 152064  # llama.cpp loads it
+
+
+def test_moe_geometry_loads_on_the_integer_kernels(tmp_path: Path) -> None:
+    """--experts writes qwen3moe with Q4_K_M's stacked experts (Q4_K; ffn_down_exps Q6_K in the layers with more
+    bits) and an F32 router; specserve loads it on the integer kernels (Q4_K/Q6_K experts) and a request's tokens
+    are the same alone and in a batch (its experts' rows gathered with other requests')."""
+    from gguf import GGUFReader
+
+    from specserve import LLM, SamplingParams
+    from specserve.loading.checkpoint import resolve_model_path
+
+    out = tmp_path / "moe.gguf"
+    E, USED, EI = 8, 2, 256
+    msg.main(["--out", str(out), "--tokenizer-from", str(resolve_model_path("smollm2-135m")), "--vocab-rows", "0",
+              "--hidden", str(H), "--layers", str(LAYERS), "--heads", str(HEADS), "--kv-heads", str(KV),
+              "--experts", str(E), "--experts-used", str(USED), "--expert-intermediate", str(EI)])
+    r = GGUFReader(str(out))
+    assert r.fields["general.architecture"].contents() == "qwen3moe"
+    assert (r.fields["qwen3moe.expert_count"].contents(), r.fields["qwen3moe.expert_used_count"].contents()) == (E, USED)
+    t = {x.name: x for x in r.tensors}
+    heavy = msg.more_bits_layers(LAYERS)
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        assert t[p + "ffn_gate_inp.weight"].tensor_type.name == "F32"
+        assert t[p + "ffn_down_exps.weight"].tensor_type.name == ("Q6_K" if i in heavy else "Q4_K")
+        assert tuple(reversed(t[p + "ffn_up_exps.weight"].shape.tolist())) == (E, EI, H)
+        assert p + "attn_q.bias" not in t and tuple(t[p + "attn_q_norm.weight"].shape.tolist()) == (H // HEADS,)
+    llm = LLM(str(out), speculative_algorithm="NONE")
+    cfg = llm.engine.model.cfg
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == \
+        ("qwen3_moe", E, USED, EI)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = ["Hello, world", "The experts of a layer", "1 2 3 4"]
+    alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == alone
+    assert all(len(x) == 8 for x in alone)

@@ -15,6 +15,7 @@ from collections import Counter
 
 import torch
 
+from ..cost.curve import probe_tokens
 from .common import record
 
 MATMUL = ("linear", "addmm", "mm", "bmm", "matmul", "_weight_int4pack_mm", "quant", "gemm", "_int_mm")
@@ -65,8 +66,10 @@ def _step(engine, n_new: int, ctx: int):  # noqa: ANN001, ANN202
     pt: list[int] = []
     engine.kv.ensure(pt, ctx + n_new)
     runner = engine.runner
-    runner.forward([pt], [0], [[1] * ctx], [[ctx - 1]])  # fill the context once
-    fn = lambda: runner.forward([pt], [ctx], [[1] * n_new], [list(range(n_new))])  # noqa: E731
+    vocab = engine.model.cfg.vocab_size
+    runner.forward([pt], [0], [probe_tokens(ctx, vocab)], [[ctx - 1]])  # fill the context once
+    ids = probe_tokens(n_new + ctx, vocab)[ctx:]  # distinct tokens: an MoE's rows route apart (cost/curve.py)
+    fn = lambda: runner.forward([pt], [ctx], [ids], [list(range(n_new))])  # noqa: E731
     return fn, pt
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-#: bumped when CostModel.measure changes (3: ascending sizes, medians of 5, non-decreasing)
-CURVE_VERSION = 3
+#: bumped when CostModel.measure changes (3: ascending sizes, medians of 5, non-decreasing; 4: distinct tokens)
+CURVE_VERSION = 4
 #: a cached curve whose t(n) at a probe size differs from a fresh timing by more than this share is measured again
 STALE = 0.3
 PROBE_SIZES = (1, 5)
@@ -35,6 +35,14 @@ def _pages(runner, n: int, ctx: int = CTX) -> list[int] | None:  # noqa: ANN001
         runner.kv.release(pt)
         return None
     return pt
+
+
+def probe_tokens(n: int, vocab: int) -> list[int]:
+    """n distinct token ids spread over the vocabulary, the same for every run. NOTE: a timed forward over one
+    repeated token routes every row of a mixture-of-experts target to the same experts, so a verify of n tokens
+    would read k experts a layer instead of the union of n routes, and `cost` would price MoE windows far too
+    cheap; a dense model's step costs the same whatever the ids."""
+    return [(7919 * i + 17) % vocab for i in range(n)]
 
 
 def _median(xs: list[float]) -> float:
@@ -96,8 +104,9 @@ class CostModel:
     @staticmethod
     def forward_seconds(runner, page_table: list[int], n: int, ctx: int = CTX) -> float:  # noqa: ANN001
         """One timed forward of n new tokens over a `ctx`-token context held in `page_table`."""
+        ids = probe_tokens(n, runner.model.cfg.vocab_size)
         t = time.perf_counter()
-        runner.forward([page_table], [ctx], [[0] * n], [list(range(n))])
+        runner.forward([page_table], [ctx], [ids], [list(range(n))])
         return time.perf_counter() - t
 
     @classmethod

@@ -145,6 +145,7 @@ def test_cost_curve_ignores_a_stall_and_never_decreases(monkeypatch: pytest.Monk
 
     class Runner:
         kv = SimpleNamespace(ensure=lambda pt, n: pt.append(0), release=lambda pt: pt.clear())
+        model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=100))
         clock, calls = 0.0, 0
 
         def forward(self, pts, ctx, ids, pos) -> None:  # noqa: ANN001
@@ -199,3 +200,24 @@ def test_an_engine_is_ready_before_it_times_a_cached_curve(tmp_path, monkeypatch
         pass
     assert _sizes(forwards) == list(cost_mod.PROBE_SIZES)
     assert eng.kv.allocator.num_free == eng.kv.allocator.num_pages
+
+
+def test_a_timed_forward_routes_an_moe_target_as_text_does(tmp_path) -> None:  # noqa: ANN001
+    """The curve's n-token forward reads the union of n routes on an MoE target: its distinct tokens touch more
+    experts than n copies of one token do (which would price MoE windows at a one-token step's experts)."""
+    from specserve.cost.curve import probe_tokens
+    from specserve.engine.llm import LLM
+    from tests.moe_setup import EXPERTS, TOP_K, save_moe_dir
+
+    llm = LLM(save_moe_dir(tmp_path / "m", "qwen3_moe"), dtype="float32", speculative_algorithm="NONE")
+    runner, model = llm.engine.runner, llm.engine.model
+    vocab = model.cfg.vocab_size
+    assert len(set(probe_tokens(8, vocab))) == 8 and probe_tokens(8, vocab) == probe_tokens(8, vocab)
+    pt: list[int] = []
+    runner.kv.ensure(pt, 16)
+    runner.forward([pt], [0], [[3] * 8], [list(range(8))])
+    same = model.expert_reads()
+    CostModel.forward_seconds(runner, pt, 8, ctx=0)
+    spread = model.expert_reads()
+    runner.kv.release(pt)
+    assert same[0] == TOP_K and all(s > t for s, t in zip(spread, same)) and max(spread) <= EXPERTS

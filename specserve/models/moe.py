@@ -106,6 +106,8 @@ class MoEDecoderLayer(DecoderLayer):
                  swiglu: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Σ_j weights[t, j] · expert_{experts[t, j]}(h[t]), each expert run once on the rows routed to it."""
         T, k = experts.shape
+        if T == 1:
+            return self._experts_one(h, weights, experts[0].tolist(), swiglu)
         flat = experts.reshape(-1)  # slot t·k + j: token t's j-th choice
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens ascending within one
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -122,6 +124,26 @@ class MoEDecoderLayer(DecoderLayer):
         ys = ys.view(T, k, -1) * weights.unsqueeze(-1)
         out = ys[:, 0]
         for j in range(1, k):  # NOTE: top-k order per token, whatever else the batch holds
+            out = out + ys[:, j]
+        return out
+
+    def _experts_one(self, h: torch.Tensor, weights: torch.Tensor, chosen: list[int],
+                     swiglu: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`_experts` for one row (a batch-1 decode step): its k experts' gate|up in one kernel call where they are
+        packed (one activation quantization and one thread hand-off instead of k), then each down projection.
+        NOTE: element for element the arithmetic of the batched path (a column's result never depends on the
+        other segments of a call, nor on other rows), so the same bits."""
+        ws = [self.experts_gate_up[e] for e in chosen]
+        if all(isinstance(w, BlockQuantWeight) for w in ws):
+            y = torch.ops.specserve.qgemm_segs(h, [t for w in ws for t in w._flat], [d for w in ws for d in w._dims])
+            gus = [g.contiguous() for g in y.split([w.shape[0] for w in ws], dim=-1)]
+        else:
+            gus = [linear(h, w) for w in ws]
+        ys = torch.cat([linear(swiglu(gu), self.experts_down[e]).to(h.dtype) for gu, e in zip(gus, chosen)])
+        self.touched = sorted(chosen)
+        ys = ys.view(1, len(chosen), -1) * weights.unsqueeze(-1)
+        out = ys[:, 0]
+        for j in range(1, len(chosen)):  # NOTE: top-k order, as the batched path sums
             out = out + ys[:, j]
         return out
 

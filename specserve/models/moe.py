@@ -25,7 +25,7 @@ from torch import nn
 from . import fused
 from .config import ModelConfig, decoder_from_hf
 from .llama import PARTS, DecoderLayer, LlamaModel
-from ..formats.quant import BlockQuantWeight, Int4Weight, linear
+from ..formats.quant import BlockQuantWeight, Int4Weight, linear, linear_many
 
 # attention only: a dense MLP's slots hold the shared expert where the family has one
 ATTENTION_PARTS = {k: PARTS[k] for k in ("qkv_w", "o_w")}
@@ -49,6 +49,16 @@ def route(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch
     if norm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+def _combine(ys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_j weights[t, j] · ys[t, j] over ys [T, k, H]. NOTE: summed in top-k order per token, whatever else the
+    batch holds (a token's result must not depend on its batch)."""
+    ys = ys * weights.unsqueeze(-1)
+    out = ys[:, 0]
+    for j in range(1, ys.shape[1]):
+        out = out + ys[:, j]
+    return out
 
 
 def weight_nbytes(w: "torch.Tensor | BlockQuantWeight | Int4Weight") -> int:
@@ -121,31 +131,16 @@ class MoEDecoderLayer(DecoderLayer):
             ys[slots] = linear(swiglu(linear(h[slots // k], self.experts_gate_up[e])), self.experts_down[e]).to(ys.dtype)
             touched.append(e)
         self.touched = touched
-        ys = ys.view(T, k, -1) * weights.unsqueeze(-1)
-        out = ys[:, 0]
-        for j in range(1, k):  # NOTE: top-k order per token, whatever else the batch holds
-            out = out + ys[:, j]
-        return out
+        return _combine(ys.view(T, k, -1), weights)
 
     def _experts_one(self, h: torch.Tensor, weights: torch.Tensor, chosen: list[int],
                      swiglu: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """`_experts` for one row (a batch-1 decode step): its k experts' gate|up in one kernel call where they are
-        packed (one activation quantization and one thread hand-off instead of k), then each down projection.
-        NOTE: element for element the arithmetic of the batched path (a column's result never depends on the
-        other segments of a call, nor on other rows), so the same bits."""
-        ws = [self.experts_gate_up[e] for e in chosen]
-        if all(isinstance(w, BlockQuantWeight) for w in ws):
-            y = torch.ops.specserve.qgemm_segs(h, [t for w in ws for t in w._flat], [d for w in ws for d in w._dims])
-            gus = [g.contiguous() for g in y.split([w.shape[0] for w in ws], dim=-1)]
-        else:
-            gus = [linear(h, w) for w in ws]
+        """`_experts` for one row (a batch-1 decode step): its k experts' gate|up in one kernel call
+        (`linear_many`), then each down projection. NOTE: the batched path's arithmetic, so the same bits."""
+        gus = linear_many(h, [self.experts_gate_up[e] for e in chosen])
         ys = torch.cat([linear(swiglu(gu), self.experts_down[e]).to(h.dtype) for gu, e in zip(gus, chosen)])
         self.touched = sorted(chosen)
-        ys = ys.view(1, len(chosen), -1) * weights.unsqueeze(-1)
-        out = ys[:, 0]
-        for j in range(1, len(chosen)):  # NOTE: top-k order, as the batched path sums
-            out = out + ys[:, j]
-        return out
+        return _combine(ys.view(1, len(chosen), -1), weights)
 
     def expert_nbytes(self, e: int) -> int:
         return weight_nbytes(self.experts_gate_up[e]) + weight_nbytes(self.experts_down[e])

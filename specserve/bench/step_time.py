@@ -34,6 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the bandwidth table instead: per row count N, GB/s and the share of the read bandwidth "
                         "(the first --context)")
     p.add_argument("--llama-server", action="store_true", help="--rows: llama-server on the same GGUF too")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--rows: measure this many rounds (with --llama-server: the engines take turns), report "
+                        "the median round")
     p.add_argument("--check", default=None, metavar="RESULT",
                    help="--rows: fail when the batch-1 bandwidth share is >10%% below RESULT's (same CPU model)")
     p.add_argument("--output", default=None, help="JSON result path (default bench/results/step-<time>.json)")

@@ -128,8 +128,13 @@ class BlockQuantWeight:
         """GGUF tensors (rows concatenated, as cat_rows) packed from the file's bytes by the C++ op: equal to
         BlockQuantWeight(cat_rows([p.codes() for p in parts])) bit for bit, without the BlockCodes."""
         segs = [concat_packed(r) or pack_codes(_join([p.codes() for p in r])) for r in _runs(parts)]
+        return cls.of_segments((sum(s[3] for s in segs), parts[0].shape[1]), segs)
+
+    @classmethod
+    def of_segments(cls, shape: tuple[int, int], segments: list) -> "BlockQuantWeight":
+        """A weight of packed segments [(wp, wd, wm, n, fmt)] as they are (no copy)."""
         w = cls.__new__(cls)
-        w._set((sum(s[3] for s in segs), parts[0].shape[1]), segs)
+        w._set(shape, segments)
         return w
 
     def _set(self, shape: tuple[int, int], segments: list) -> None:
@@ -154,6 +159,37 @@ class BlockQuantWeight:
         else:
             y = torch.ops.specserve.qgemm_segs(x, self._flat, self._dims)
         return y if bias is None else y + bias
+
+
+class StackedQuantWeight:
+    """E packed weights of one layout stacked along a leading dimension, as llama.cpp stores an MoE layer's
+    `ffn_*_exps`: `segments` [(wp [E, …], wd [E, …], wm [E, …] or None, n, fmt)], what the moe_mlp op and
+    decoder_layers take; `[e]` is expert e's BlockQuantWeight (views: the same bytes, no copy)."""
+
+    def __init__(self, ws: list[BlockQuantWeight]) -> None:
+        if not self.stackable(ws):
+            raise ValueError("StackedQuantWeight: the weights differ in shape or segment layout")
+        stack = lambda ts: None if ts[0] is None else torch.stack(ts)  # noqa: E731
+        self.segments = [(*(stack([w.segments[i][j] for w in ws]) for j in range(3)), n, fmt)
+                         for i, (*_, n, fmt) in enumerate(ws[0].segments)]
+        self.shape = ws[0].shape
+        self._experts = [BlockQuantWeight.of_segments(self.shape, [(wp[e], wd[e], None if wm is None else wm[e], n, fmt)
+                                                                  for wp, wd, wm, n, fmt in self.segments])
+                         for e in range(len(ws))]
+
+    @staticmethod
+    def stackable(ws: list) -> bool:
+        """Every weight packed for the block kernel with the first one's shape, segments and tensor sizes."""
+        def layout(w: BlockQuantWeight) -> tuple:
+            return w.shape, tuple((tuple(t.shape) if t is not None else None, t.dtype if t is not None else None)
+                                  for s in w.segments for t in s[:3]), tuple(w._dims)
+        return bool(ws) and all(isinstance(w, BlockQuantWeight) for w in ws) and len({layout(w) for w in ws}) == 1
+
+    def __getitem__(self, e: int) -> BlockQuantWeight:
+        return self._experts[e]
+
+    def __len__(self) -> int:
+        return len(self._experts)
 
 
 class Int4Weight:
@@ -284,11 +320,13 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: "dict[str, BlockCo
                         stacked[e].copy_(float_of(ns, stacked[e])())
                     done([n for ns in names for n in ns])
                 continue
-            # NOTE: one packed weight per expert: a step runs only the experts its rows route to
+            # NOTE: one packed weight per expert: a step runs only the experts its rows route to; stacked into
+            # one tensor per segment where they share a layout (the C++ MoE op's input; `[e]` still one expert)
             packed = [make(_codes(mode, [codes_of(n) for n in ns], float_of(ns, stacked[e])))
                       for e, ns in enumerate(names)]
             delattr(layer, name)
-            setattr(layer, name, packed)
+            setattr(layer, name, StackedQuantWeight(packed) if StackedQuantWeight.stackable(packed) else packed)
+            del packed
             done([n for ns in names for n in ns])
     key = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
     head_codes, head_float = codes_of(key), float_of([key], model.lm_head)

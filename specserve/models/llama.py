@@ -44,6 +44,15 @@ def _act(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     raise ValueError(f"unsupported MLP activation {name!r}; supported: silu, gelu_tanh")
 
 
+def add_segments(segments: list, weights: list[torch.Tensor | None], dims: list[int]) -> None:
+    """One packed projection for the C++ ops' flat lists: its segment count, then (wp, wd, wm) and (n, fmt) each
+    (a fused q|k|v may mix Q4_K and Q6_K)."""
+    dims.append(len(segments))
+    for wp, wd, wm, n, fmt in segments:
+        weights += [wp, wd, wm]
+        dims += [n, fmt]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
@@ -101,6 +110,16 @@ class DecoderLayer(nn.Module):
             gate, up = gu.chunk(2, dim=-1)
             a = self.act(gate) * up
         return self._reduce(linear(a, self.down_w))
+
+    def mlp_stackable(self) -> bool:
+        """decoder_layers can run this MLP (a dense one: its projections are checked with the attention's)."""
+        return True
+
+    def mlp_stack(self, weights: list[torch.Tensor | None], dims: list[int]) -> None:
+        """Append this layer's MLP to decoder_layers' flat lists: no router, then gate_up and down."""
+        weights.append(None)
+        add_segments(self.gate_up_w.segments, weights, dims)
+        add_segments(self.down_w.segments, weights, dims)
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Packed rows [T, H] → q [T, nq, hd], k, v [T, nkv, hd] (Qwen3, Gemma 3: q/k RMS-normed per head)."""
@@ -248,11 +267,11 @@ class LlamaModel(nn.Module):
         stack = self._layer_stack()
         if stack is not None:  # the whole loop below as one C++ op (kernels/csrc/decoder.cpp), same ops in order
             layer = self.layers[0]
-            captured = ops.decoder_layers(
+            captured = self._captured(ops.decoder_layers(
                 x, h, stack[0], stack[1], self.cos_table, self.sin_table, fb.positions, fb.slot_mapping, k_caches,
                 v_caches, fb.q_start, fb.ctx_slots, fb.ctx_start, fb.ctx_first, fb.mask, fb.mask_start,
                 fb.causal and fb.mask is None, fused.combined_window(fb.window, layer.window),
-                1.0 / math.sqrt(self.cfg.head_dim) if layer.scale is None else layer.scale, eps, list(capture_layers))
+                1.0 / math.sqrt(self.cfg.head_dim) if layer.scale is None else layer.scale, eps, list(capture_layers)))
             if fb.logits_index is not None:
                 x = x[fb.logits_index]
             return ops.rms_norm(x, self.norm, eps), captured
@@ -270,30 +289,31 @@ class LlamaModel(nn.Module):
             x = x[fb.logits_index]
         return ops.rms_norm(x, self.norm, eps), captured
 
+    def _captured(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """decoder_layers' outputs → the captured hidden states (an MoE model takes its experts lists off the end)."""
+        return outs
+
     def _layer_stack(self) -> tuple[list[torch.Tensor | None], list[int]] | None:
         """The layers' weights flattened for decoder_layers, when every projection is block-quantized, nothing
-        runs between the ops but a qkv bias (no q/k norm, sandwich norm or tensor-parallel all-reduce), the MLP is SwiGLU and
-        every layer shares one window, scale and RoPE table; else None. Built at the first forward after the
-        weights are final (quantize_model swaps them in place)."""
+        runs between the ops but a qkv bias and q/k norms (no sandwich norm or tensor-parallel all-reduce), the MLP is SwiGLU
+        (or a mixture of stacked experts: `mlp_stack`) and every layer shares one window, scale and RoPE table; else
+        None. Built at the first forward after the weights are final (quantize_model swaps them in place)."""
         first = self.layers[0].qkv_w
         if self._stack is not None and self._stack[0] is first:
             return self._stack[1]
         stack = None
-        names = tuple(self.PARTS)
         uniform = len({(l.window, l.scale, l.local, l.act_name) for l in self.layers}) == 1
         if self.tp is None and uniform and self.layers[0].act_name == "silu" and all(
-                isinstance(getattr(l, a), BlockQuantWeight) and l.q_norm is None and l.attn_out_norm is None
-                and l.tp is None for l in self.layers for a in names):
+                isinstance(getattr(l, a), BlockQuantWeight) and l.attn_out_norm is None and l.tp is None
+                and l.mlp_stackable() for l in self.layers for a in self.PARTS):
             weights: list[torch.Tensor | None] = []
             dims: list[int] = []
             for layer in self.layers:
-                for a in names:  # per projection: its row segments (a fused q|k|v may mix Q4_K and Q6_K)
-                    segs = getattr(layer, a).segments
-                    dims.append(len(segs))
-                    for wp, wd, wm, n, fmt in segs:
-                        weights += [wp, wd, wm]
-                        dims += [n, fmt]
-                weights += [layer.input_norm, layer.post_norm, layer.qkv_b]
+                for a in ("qkv_w", "o_w"):
+                    add_segments(getattr(layer, a).segments, weights, dims)
+                dims.append(int(layer.qk_whole))
+                weights += [layer.input_norm, layer.post_norm, layer.qkv_b, layer.q_norm, layer.k_norm]
+                layer.mlp_stack(weights, dims)
             stack = (weights, dims + [self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim])
         self._stack = (first, stack)
         return stack

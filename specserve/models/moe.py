@@ -24,8 +24,8 @@ from torch import nn
 
 from . import fused
 from .config import ModelConfig, decoder_from_hf
-from .llama import PARTS, DecoderLayer, LlamaModel
-from ..formats.quant import BlockQuantWeight, Int4Weight, linear, linear_many
+from .llama import PARTS, DecoderLayer, LlamaModel, add_segments
+from ..formats.quant import BlockQuantWeight, Int4Weight, StackedQuantWeight, linear, linear_many
 
 # attention only: a dense MLP's slots hold the shared expert where the family has one
 ATTENTION_PARTS = {k: PARTS[k] for k in ("qkv_w", "o_w")}
@@ -84,7 +84,18 @@ class MoEDecoderLayer(DecoderLayer):
         # per-expert packed weights: `[e]` gives expert e's matrix either way
         self.experts_gate_up: Any = e(E, 2 * inter, h)
         self.experts_down: Any = e(E, h, inter)
-        self.touched: list[int] = []  # the experts the last forward ran, ascending
+        self._touched: "list[int] | torch.Tensor" = []  # the experts the last forward ran, ascending
+
+    @property
+    def touched(self) -> list[int]:
+        """The experts the last forward ran, ascending (the C++ op hands them over as a tensor)."""
+        if isinstance(self._touched, torch.Tensor):
+            self._touched = self._touched.tolist()
+        return self._touched
+
+    @touched.setter
+    def touched(self, experts: "list[int] | torch.Tensor") -> None:
+        self._touched = experts
 
     def _router(self, h: torch.Tensor) -> torch.Tensor:
         if h.dtype == torch.float32 and fused.available():
@@ -95,8 +106,36 @@ class MoEDecoderLayer(DecoderLayer):
         return self._moe(h, self._swiglu, super()._mlp)
 
     def _mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
-        """The same with the activation as one fused op (silu_mul) per expert."""
+        """The same with the activation as one fused op (silu_mul) per expert; on stacked block-quantized experts
+        the whole block is one op (kernels/csrc/moe.cpp: the same ops, so the same bits)."""
+        if self.mlp_stackable() and h.dtype == torch.float32:
+            weights: list[torch.Tensor | None] = []
+            dims: list[int] = []
+            self._expert_segments(weights, dims)
+            out, self.touched = torch.ops.specserve.moe_mlp(h, self.router_w, weights, dims, self.top_k, self.norm_topk)
+            return out
         return self._moe(h, torch.ops.specserve.silu_mul, super()._mlp_fused)
+
+    def mlp_stackable(self) -> bool:
+        return isinstance(self.experts_gate_up, StackedQuantWeight) and isinstance(self.experts_down, StackedQuantWeight) \
+            and (self.gate_up_w is None or isinstance(self.gate_up_w, BlockQuantWeight)) \
+            and self.router_w.dtype == torch.float32
+
+    def mlp_stack(self, weights: list[torch.Tensor | None], dims: list[int]) -> None:
+        """decoder_layers' MoE MLP: the router, (top_k, norm), the shared expert, the stacked experts."""
+        weights.append(self.router_w)
+        dims += [self.top_k, int(self.norm_topk)]
+        for w in (self.gate_up_w, self.down_w):
+            add_segments(w.segments if w is not None else [], weights, dims)
+        add_segments(self.experts_gate_up.segments, weights, dims)
+        add_segments(self.experts_down.segments, weights, dims)
+
+    def _expert_segments(self, weights: list[torch.Tensor | None], dims: list[int]) -> None:
+        """moe_mlp's flat lists: the stacked experts' gate_up and down, then the shared expert's (none: empty)."""
+        add_segments(self.experts_gate_up.segments, weights, dims)
+        add_segments(self.experts_down.segments, weights, dims)
+        for w in (self.gate_up_w, self.down_w):
+            add_segments(w.segments if w is not None else [], weights, dims)
 
     def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
         gate, up = gu.chunk(2, dim=-1)
@@ -176,9 +215,12 @@ class MoEModel(LlamaModel):
                 for e in range(self.cfg.num_experts):
                     stacked[e].copy_(torch.cat([sd[f"{p}{n.format(e=e)}.weight"] for n in parts]).to(self.dtype))
 
-    def _layer_stack(self) -> None:
-        """Never the one-op C++ loop: it runs a dense MLP."""
-        return None
+    def _captured(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """decoder_layers returns the captured states, then each layer's experts run (every layer is MoE here)."""
+        n = len(outs) - len(self.layers)
+        for layer, ran in zip(self.layers, outs[n:]):
+            layer.touched = ran
+        return outs[:n]
 
     def expert_reads(self) -> list[int]:
         """Experts each layer's last forward ran (a verify of K tokens: the union of their routes)."""

@@ -149,6 +149,34 @@ def test_mixed_fused_weight_one_op() -> None:
     assert torch.equal(w(x[:1]), ref[:1])
 
 
+def test_grouped_gemm_gives_each_groups_own_bits() -> None:
+    """qgemm_grouped: several (activation, weight) pairs, differing in rows, K and formats (a fused Q4_K | Q6_K
+    weight among them), in one op: each group's result is the bits qgemm_segs gives it alone, on every path;
+    StackedQuantWeight's experts are views of its stacked segments with the same bits."""
+    from specserve.formats.quant import StackedQuantWeight
+
+    mixed = BlockQuantWeight(cat_rows([gguf_blocks(raw_blocks(t, n, 512, seed=n), t, (n, 512))
+                                       for t, n in (("Q4_K", 48), ("Q6_K", 40))]))
+    single = [BlockQuantWeight(gguf_blocks(raw_blocks(t, n, K, seed=K), t, (n, K)))
+              for t, n, K in (("Q6_K", 32, 256), ("Q4_0", 16, 96), ("Q8_0", 24, 64))]
+    ws, xs = [mixed, *single], [_acts(m, w.shape[1], seed=m) for m, w in zip((1, 7, 3, 17), [mixed, *single])]
+    flat = [t for w in ws for t in w._flat]
+    dims = [v for w in ws for v in (len(w.segments), *w._dims)]
+    for impl in _paths():
+        ys = torch.ops.specserve.qgemm_grouped(xs, flat, dims, impl)
+        assert len(ys) == len(ws)
+        for x, w, y in zip(xs, ws, ys):
+            assert torch.equal(y, torch.ops.specserve.qgemm_segs(x, w._flat, w._dims, impl)), impl
+    with pytest.raises(RuntimeError, match="qgemm_grouped"):
+        torch.ops.specserve.qgemm_grouped(xs, flat, dims[:-2])
+    experts = [BlockQuantWeight(gguf_blocks(raw_blocks("Q4_K", 32, 256, seed=e), "Q4_K", (32, 256))) for e in range(3)]
+    stacked = StackedQuantWeight(experts)
+    x = _acts(5, 256)
+    assert len(stacked) == 3 and all(torch.equal(stacked[e](x), experts[e](x)) for e in range(3))
+    assert stacked.segments[0][0].shape[0] == 3 and stacked[1].wp.data_ptr() != experts[1].wp.data_ptr()
+    assert not StackedQuantWeight.stackable([experts[0], single[0]])
+
+
 def test_cpp_layer_loop_with_mixed_formats(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Q4_K_M-style model (q, k, gate Q4_K; v, down Q6_K; up Q5_K; o Q5_0) keeps the C++ layer loop, which
     equals the Python loop bit for bit."""

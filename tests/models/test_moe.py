@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from specserve.bench.real import file_weight_bytes, streamed_weight_bytes
 from specserve.core import SamplingParams
 from specserve.engine.llm import LLM
-from specserve.formats.quant import BlockQuantWeight
+from specserve.formats.quant import BlockQuantWeight, StackedQuantWeight
 from specserve.models import moe
 from specserve.models.config import ModelConfig
 from tests.families_setup import PROMPTS, save_family_dir
@@ -176,8 +176,9 @@ def test_q8_0_conversion_serves_bit_equal_on_the_integer_kernels(ggufs, family: 
 
     path = ggufs(family, "q8_0")
     fast, exact = LLM(path, **ENGINE).engine.model, LLM(path, dtype="float32", **ENGINE).engine.model
+    assert fast._layer_stack() is not None  # the whole layer loop is one C++ op, the MoE blocks in it
     experts = fast.layers[0].experts_down
-    assert isinstance(experts, list) and len(experts) == EXPERTS and isinstance(experts[0], BlockQuantWeight)
+    assert isinstance(experts, StackedQuantWeight) and len(experts) == EXPERTS and isinstance(experts[0], BlockQuantWeight)
     ids = [t for p in PROMPTS for t in p][:16]
     ways = _logits_each_way(fast, ids)
     for way in ("decode", "verify"):
@@ -187,6 +188,23 @@ def test_q8_0_conversion_serves_bit_equal_on_the_integer_kernels(ggufs, family: 
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99
     # bench real's bytes a decode step reads, packed and in the file: a token's k experts of E, both
     assert 0.8 < streamed_weight_bytes(fast) / file_weight_bytes(path) < 1.2
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_cpp_layer_loop_gives_the_python_loops_bits(dirs: dict[str, str], family: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole layer loop as one C++ op with the MoE blocks in it (q/k norms per head in qwen3_moe, over the
+    projection in olmoe; qwen2_moe's shared expert) gives the Python loop's logits, expert by expert, bit for bit:
+    in a prefill, decode, verify windows and a batch of 16."""
+    model = LLM(dirs[family], quantization="w8a8", **ENGINE).engine.model
+    assert model._layer_stack() is not None
+    ids = [t for p in PROMPTS for t in p][:16]
+    cpp = _logits_each_way(model, ids)
+    monkeypatch.setattr(moe.MoEDecoderLayer, "mlp_stackable", lambda self: False)
+    model._stack = None
+    assert model._layer_stack() is None
+    py = _logits_each_way(model, ids)
+    assert cpp.keys() == py.keys() and all(torch.equal(cpp[k], py[k]) for k in cpp)
 
 
 def _reference_moe(layer: moe.MoEDecoderLayer, h: torch.Tensor) -> torch.Tensor:
@@ -209,9 +227,11 @@ def _reference_moe(layer: moe.MoEDecoderLayer, h: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
-def test_expert_kernel_bit_equal_to_reference(dirs: dict[str, str], family: str) -> None:
+def test_expert_kernel_bit_equal_to_reference(dirs: dict[str, str], family: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The MoE block on w8a8 weights (HF weights quantized here): batch 16, verify windows of 4 and single rows
-    give the per-token reference's bits; a step runs only the experts its rows route to, and counts them."""
+    give the per-token reference's bits; a step runs only the experts its rows route to, and counts them. The
+    one-op block (kernels/csrc/moe.cpp, on the stacked experts) gives the Python loop's bits."""
     model = LLM(dirs[family], quantization="w8a8", **ENGINE).engine.model
     layer = model.layers[1]
     h = torch.randn(16, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -223,6 +243,12 @@ def test_expert_kernel_bit_equal_to_reference(dirs: dict[str, str], family: str)
     assert torch.equal(torch.cat([layer._mlp_fused(c) for c in h.split(4)]), fused)
     assert torch.equal(torch.cat([layer._mlp_fused(c) for c in h.split(1)]), fused)
     assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-5)
+    assert layer.mlp_stackable() and layer.touched == sorted(set(moe.route(
+        torch.ops.specserve.router_logits(h[-1:], layer.router_w)[:, :EXPERTS], TOP_K, layer.norm_topk)[1][0].tolist()))
+    monkeypatch.setattr(moe.MoEDecoderLayer, "mlp_stackable", lambda self: False)  # the Python loop, expert by expert
+    assert torch.equal(layer._mlp_fused(h), fused)
+    assert torch.equal(torch.cat([layer._mlp_fused(c) for c in h.split(1)]), fused)
+    monkeypatch.undo()
     routed = moe.route(torch.ops.specserve.router_logits(h[:1], layer.router_w)[:, :EXPERTS], TOP_K,
                        layer.norm_topk)[1]
     layer._mlp(h[:1])

@@ -3,6 +3,7 @@
 // (4/8-bit codes), quant_gemm_fmt.cpp (5/6-bit and super-block formats), quant_gemm_amx.cpp. Numerics and layout:
 // specserve/models/quant_ref.py.
 #include "quant_gemm.h"
+#include "quant_gemm_grouped.h"
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -83,10 +84,10 @@ std::vector<at::Tensor> quantize_act_padded(const at::Tensor& x_, int64_t impl, 
 
 std::vector<at::Tensor> quantize_act(const at::Tensor& x, int64_t impl) { return quantize_act_padded(x, impl, 1); }
 
-// Column tiles [t0, t1) of y = x·Wᵀ on the VNNI or portable path (S: the scales' type).
-// One weight (or row segment of a fused one): packed codes, scales, offsets; n columns written at column col.
+// One weight (or row segment of a fused one): packed codes, scales, offsets; n columns written at column col of
+// job's output; its column tiles are [t0, t0 + ntiles) of the parallel loop.
 struct Seg {
-  const at::Tensor* wp; const at::Tensor* wd; const at::Tensor* wm; int64_t n, fmt, col, t0, ntiles;
+  const at::Tensor* wp; const at::Tensor* wd; const at::Tensor* wm; int64_t n, fmt, col, t0, ntiles, job = 0;
 };
 
 Seg check_seg(const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at::Tensor>& wm, int64_t n, int64_t fmt,
@@ -110,47 +111,56 @@ Seg check_seg(const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at
   return Seg{&wp, &wd, has_m ? &*wm : nullptr, n, fmt, 0, 0, ntiles};
 }
 
-// y[:, seg.col : seg.col + seg.n] for every segment, one activation quantization, one parallel loop over all
-// column tiles. NOTE: the split over tiles (columns), and of rows between paths, never changes any element's
-// arithmetic. AMX takes F4/F8/K4/K6 segments; the other formats run on VNNI (or portable) whatever the path.
-at::Tensor qgemm_run(const at::Tensor& x, std::vector<Seg> segs, int64_t impl) {
-  if (impl == FROM_ENV) impl = env_impl();
-  const int64_t K = x.size(-1), nb = K / QK;
-  int64_t N = 0, T = 0;
-  bool k6 = false;
-  for (Seg& s : segs) {
-    s.col = N, s.t0 = T;
-    N += s.n, T += s.ntiles;
-    k6 = k6 || s.fmt == specserve_quant::K6;
-  }
-  const at::Tensor x2 = x.reshape({-1, K});
-  const int64_t M = x2.size(0);
-  const bool vnni = use_vnni(impl), amx = M > 0 && use_amx(impl, M);
+// One activation matrix, quantized, and where its products go (y [M, ldy]): the input of one qgemm, or of one
+// group of a grouped call. Its rows are split between AMX (the first m_amx) and VNNI (the rest) as below.
+struct Job {
+  std::vector<at::Tensor> act;  // quantize_act's tensors (Acts points into them)
+  Acts a{}, tail{};
+  int64_t M = 0, m_amx = 0, rest = 0;
+  bool amx = false;
+  float* y = nullptr;
+  int64_t ldy = 0;
+};
+
+Job make_job(const at::Tensor& x2, int64_t impl, bool k6, float* y, int64_t ldy) {
+  Job j;
+  const int64_t M = x2.size(0), K = x2.size(1), nb = K / QK;
+  j.M = M, j.amx = M > 0 && use_amx(impl, M), j.y = y, j.ldy = ldy;
   // Under AUTO, up to VNNI_REST rows past the last full AMX chunk go to VNNI: cheaper than a partial chunk's
   // tile work (gate_up, M = 16 -> 17: +0.027 ms on AMX, a VNNI row 0.018). More rows: a zero-padded AMX chunk.
-  const int64_t rest = amx && impl == AUTO && M > AMX_CHUNK && M % AMX_CHUNK <= VNNI_REST ? M % AMX_CHUNK : 0;
-  const int64_t m_amx = M - rest;
-  auto act = quantize_act_padded(x2, impl, amx && m_amx > AMX_CHUNK ? AMX_CHUNK : 1, k6);
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  Acts a{act[0].data_ptr<int8_t>(), act[1].data_ptr<float>(), act[2].data_ptr<float>(),
-         act[3].data_ptr<int32_t>(), K, nb};
-  if (k6) a.lo = act[4].data_ptr<int32_t>();
-  float* yp = y.data_ptr<float>();
-  Acts tail{a.q + m_amx * K, a.d + m_amx * nb, a.sa + m_amx * nb, a.sum + m_amx * nb, K, nb,
-            a.lo ? a.lo + m_amx * nb : nullptr};
+  j.rest = j.amx && impl == AUTO && M > AMX_CHUNK && M % AMX_CHUNK <= VNNI_REST ? M % AMX_CHUNK : 0;
+  j.m_amx = M - j.rest;
+  j.act = quantize_act_padded(x2, impl, j.amx && j.m_amx > AMX_CHUNK ? AMX_CHUNK : 1, k6);
+  j.a = Acts{j.act[0].data_ptr<int8_t>(), j.act[1].data_ptr<float>(), j.act[2].data_ptr<float>(),
+             j.act[3].data_ptr<int32_t>(), K, nb};
+  if (k6) j.a.lo = j.act[4].data_ptr<int32_t>();
+  const Acts& a = j.a;
+  j.tail = Acts{a.q + j.m_amx * K, a.d + j.m_amx * nb, a.sa + j.m_amx * nb, a.sum + j.m_amx * nb, K, nb,
+                a.lo ? a.lo + j.m_amx * nb : nullptr};
+  return j;
+}
+
+// Every segment's column tiles in one parallel loop (segment s reads jobs[s.job]'s activations and writes its
+// output). NOTE: the split over tiles (columns), and of rows between paths, never changes any element's
+// arithmetic. AMX takes F4/F8/K4/K6 segments; the other formats run on VNNI (or portable) whatever the path.
+void run_segs(const std::vector<Job>& jobs, std::vector<Seg>& segs, int64_t impl) {
+  int64_t T = 0;
+  for (Seg& s : segs) s.t0 = T, T += s.ntiles;
+  const bool vnni = use_vnni(impl);
   auto one = [&](const Seg& s, auto* wdp, auto* wmp, int64_t t0, int64_t t1) {
+    const Job& j = jobs[s.job];
     const uint8_t* wpp = s.wp->data_ptr<uint8_t>();
-    float* ys = yp + s.col;
+    float* ys = j.y + s.col;
     const int fmt = static_cast<int>(s.fmt);
     const bool simple = fmt == specserve_quant::F4 || fmt == specserve_quant::F8;  // quant_gemm.cpp's formats
     auto vec = [&](const Acts& acts, int64_t rows, float* out) {  // the VNNI (or portable) path
-      if (simple) return specserve_quant::gemm_tiles(acts, rows, wpp, wdp, wmp, fmt, vnni, out, N, s.n, t0, t1);
-      specserve_quant::gemm_tiles_fmt(acts, rows, fmt, wpp, wdp, wmp, vnni, out, N, s.n, t0, t1);
+      if (simple) return specserve_quant::gemm_tiles(acts, rows, wpp, wdp, wmp, fmt, vnni, out, j.ldy, s.n, t0, t1);
+      specserve_quant::gemm_tiles_fmt(acts, rows, fmt, wpp, wdp, wmp, vnni, out, j.ldy, s.n, t0, t1);
     };
-    const bool kq_amx = (fmt == specserve_quant::K4 || fmt == specserve_quant::K6) && (impl != AUTO || M >= AMX_MIN_M_KQ);
-    if (!amx || !(simple || kq_amx)) return vec(a, M, ys);
-    specserve_quant::gemm_tiles_amx(a, m_amx, wpp, wdp, wmp, fmt, ys, N, s.n, t0, t1);
-    if (rest) vec(tail, rest, ys + m_amx * N);
+    const bool kq_amx = (fmt == specserve_quant::K4 || fmt == specserve_quant::K6) && (impl != AUTO || j.M >= AMX_MIN_M_KQ);
+    if (!j.amx || !(simple || kq_amx)) return vec(j.a, j.M, ys);
+    specserve_quant::gemm_tiles_amx(j.a, j.m_amx, wpp, wdp, wmp, fmt, ys, j.ldy, s.n, t0, t1);
+    if (j.rest) vec(j.tail, j.rest, ys + j.m_amx * j.ldy);
   };
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (const Seg& s : segs) {
@@ -161,6 +171,23 @@ at::Tensor qgemm_run(const at::Tensor& x, std::vector<Seg> segs, int64_t impl) {
       else one(s, s.wd->data_ptr<float>(), s.wm ? s.wm->data_ptr<float>() : static_cast<float*>(nullptr), lo_t, hi_t);
     }
   });
+}
+
+// y[:, seg.col : seg.col + seg.n] for every segment, one activation quantization, one parallel loop.
+at::Tensor qgemm_run(const at::Tensor& x, std::vector<Seg> segs, int64_t impl) {
+  if (impl == FROM_ENV) impl = env_impl();
+  const int64_t K = x.size(-1);
+  int64_t N = 0;
+  bool k6 = false;
+  for (Seg& s : segs) {
+    s.col = N, N += s.n;
+    k6 = k6 || s.fmt == specserve_quant::K6;
+  }
+  const at::Tensor x2 = x.reshape({-1, K});
+  at::Tensor y = at::empty({x2.size(0), N}, x.options().dtype(at::kFloat));
+  std::vector<Job> jobs;
+  jobs.push_back(make_job(x2, impl, k6, y.data_ptr<float>(), N));
+  run_segs(jobs, segs, impl);
   auto shape = x.sizes().vec();
   shape.back() = N;
   return y.view(shape);
@@ -192,15 +219,66 @@ at::Tensor qgemm_segs(const at::Tensor& x, const c10::List<c10::optional<at::Ten
   return qgemm_run(x, segs, impl);
 }
 
+// The op form of specserve_quant::qgemm_grouped: xs[g] with weight g given as qgemm_segs takes one (w: 3 tensors
+// per segment, dims: per group its segment count S, then (n, fmt) per segment).
+std::vector<at::Tensor> qgemm_grouped_op(at::TensorList xs, const c10::List<c10::optional<at::Tensor>>& w,
+                                         at::IntArrayRef dims, int64_t impl) {
+  std::vector<std::vector<specserve_quant::WeightSeg>> ws(xs.size());
+  size_t wi = 0, di = 0;
+  for (auto& g : ws) {
+    TORCH_CHECK(di < dims.size(), "qgemm_grouped: dims too short");
+    const int64_t S = dims[di++];
+    TORCH_CHECK(S > 0 && wi + 3 * S <= w.size() && di + 2 * S <= dims.size(), "qgemm_grouped: weights/dims do not match");
+    for (int64_t i = 0; i < S; ++i, wi += 3, di += 2)
+      g.push_back({w.get(wi).value(), w.get(wi + 1).value(), w.get(wi + 2).value_or(at::Tensor()), dims[di], dims[di + 1]});
+  }
+  TORCH_CHECK(wi == w.size() && di == dims.size(), "qgemm_grouped: weights/dims left over");
+  return specserve_quant::qgemm_grouped(xs.vec(), ws, impl);
+}
+
 std::string quant_isa() {
   return !have_vnni() ? "portable" : specserve_quant::amx_usable() ? "amx-int8+avx512vnni" : "avx512vnni";
 }
 
 }  // namespace
 
+namespace specserve_quant {
+
+std::vector<at::Tensor> qgemm_grouped(const std::vector<at::Tensor>& xs, const std::vector<std::vector<WeightSeg>>& ws,
+                                      int64_t impl) {
+  TORCH_CHECK(xs.size() == ws.size(), "qgemm_grouped: ", xs.size(), " inputs, ", ws.size(), " weights");
+  if (impl == FROM_ENV) impl = env_impl();
+  std::vector<c10::optional<at::Tensor>> wms;  // check_seg's offsets, alive while the segments point at them
+  wms.reserve([&] { size_t n = 0; for (const auto& g : ws) n += g.size(); return n; }());
+  std::vector<Seg> segs;
+  std::vector<Job> jobs;
+  std::vector<at::Tensor> ys;
+  for (size_t g = 0; g < xs.size(); ++g) {
+    const int64_t K = xs[g].size(-1);
+    int64_t N = 0;
+    bool k6 = false;
+    for (const WeightSeg& w : ws[g]) {
+      wms.push_back(w.wm.defined() ? c10::optional<at::Tensor>(w.wm) : c10::nullopt);
+      Seg s = check_seg(w.wp, w.wd, wms.back(), w.n, w.fmt, K);
+      s.wm = wms.back().has_value() ? &*wms.back() : nullptr;
+      s.col = N, s.job = static_cast<int64_t>(g);
+      N += w.n, k6 = k6 || w.fmt == K6;
+      segs.push_back(s);
+    }
+    const at::Tensor x2 = xs[g].reshape({-1, K});
+    ys.push_back(at::empty({x2.size(0), N}, x2.options().dtype(at::kFloat)));
+    jobs.push_back(make_job(x2, impl, k6, ys.back().data_ptr<float>(), N));
+  }
+  run_segs(jobs, segs, impl);
+  return ys;
+}
+
+}  // namespace specserve_quant
+
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("quantize_act(Tensor x, int impl=-1) -> Tensor[]", &quantize_act);
   m.def("qgemm(Tensor x, Tensor wp, Tensor wd, Tensor? wm, int n, int bits, int impl=-1) -> Tensor", &qgemm);
   m.def("qgemm_segs(Tensor x, Tensor?[] w, int[] dims, int impl=-1) -> Tensor", &qgemm_segs);
+  m.def("qgemm_grouped(Tensor[] xs, Tensor?[] w, int[] dims, int impl=-1) -> Tensor[]", &qgemm_grouped_op);
   m.def("quant_isa() -> str", &quant_isa);
 }

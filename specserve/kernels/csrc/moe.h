@@ -1,0 +1,30 @@
+// A mixture-of-experts MLP on block-quantized experts, shared by the moe_mlp op and the decoder_layers loop.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <utility>
+#include <vector>
+
+#include "quant_gemm_grouped.h"
+
+namespace specserve_moe {
+
+using specserve_quant::WeightSeg;
+
+struct MoEWeights {
+  at::Tensor router;                     // [E (+ 1: the shared expert's gate row), H] float32
+  std::vector<WeightSeg> gate_up, down;  // stacked over experts: wp [E, …], wd [E, …], wm [E, …] or undefined
+  std::vector<WeightSeg> shared_gate_up, shared_down;  // qwen2_moe's shared expert (empty: none)
+  int64_t top_k = 0;
+  bool norm = false;                     // renormalise the top-k weights to sum to 1
+};
+
+// h [T, H] float32 (the normed rows) → (the MLP's output [T, H], the experts it ran, ascending int64).
+std::pair<at::Tensor, at::Tensor> moe_forward(const at::Tensor& h, const MoEWeights& m, int64_t impl = -1);
+
+// One projection's segments read from an op's flat (weights, dims) lists at (wi, di): S, then (n, fmt) per
+// segment in dims, three tensors (codes, scales, offsets or None) per segment in weights. Advances both.
+std::vector<WeightSeg> read_segs(const c10::List<c10::optional<at::Tensor>>& w, size_t& wi, at::IntArrayRef dims,
+                                 size_t& di);
+
+}  // namespace specserve_moe

@@ -117,24 +117,20 @@ class MoEDecoderLayer(DecoderLayer):
         return self._moe(h, torch.ops.specserve.silu_mul, super()._mlp_fused)
 
     def mlp_stackable(self) -> bool:
+        """The one-op block (and decoder_layers) can run it: stacked block-quantized experts, a float32 router."""
         return isinstance(self.experts_gate_up, StackedQuantWeight) and isinstance(self.experts_down, StackedQuantWeight) \
             and (self.gate_up_w is None or isinstance(self.gate_up_w, BlockQuantWeight)) \
             and self.router_w.dtype == torch.float32
 
     def mlp_stack(self, weights: list[torch.Tensor | None], dims: list[int]) -> None:
-        """decoder_layers' MoE MLP: the router, (top_k, norm), the shared expert, the stacked experts."""
+        """decoder_layers' MoE MLP: the router, (top_k, norm), then the block's segments."""
         weights.append(self.router_w)
         dims += [self.top_k, int(self.norm_topk)]
-        for w in (self.gate_up_w, self.down_w):
-            add_segments(w.segments if w is not None else [], weights, dims)
-        add_segments(self.experts_gate_up.segments, weights, dims)
-        add_segments(self.experts_down.segments, weights, dims)
+        self._expert_segments(weights, dims)
 
     def _expert_segments(self, weights: list[torch.Tensor | None], dims: list[int]) -> None:
-        """moe_mlp's flat lists: the stacked experts' gate_up and down, then the shared expert's (none: empty)."""
-        add_segments(self.experts_gate_up.segments, weights, dims)
-        add_segments(self.experts_down.segments, weights, dims)
-        for w in (self.gate_up_w, self.down_w):
+        """The shared expert's gate_up and down (none: no segments), then the stacked experts' (kernels/csrc/moe.h)."""
+        for w in (self.gate_up_w, self.down_w, self.experts_gate_up, self.experts_down):
             add_segments(w.segments if w is not None else [], weights, dims)
 
     def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:

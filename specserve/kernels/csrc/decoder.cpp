@@ -102,15 +102,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor& x, const at::Tensor& h0, cons
       continue;
     }
     TORCH_CHECK(di + 2 <= nd - 3, "decoder_layers: dims too short");
-    specserve_moe::MoEWeights m;
-    m.router = *router, m.top_k = dims[di], m.norm = dims[di + 1] != 0;
     size_t w = static_cast<size_t>(wi), d = static_cast<size_t>(di + 2);
-    m.shared_gate_up = specserve_moe::read_segs(weights, w, layer_dims, d);
-    m.shared_down = specserve_moe::read_segs(weights, w, layer_dims, d);
-    m.gate_up = specserve_moe::read_segs(weights, w, layer_dims, d);
-    m.down = specserve_moe::read_segs(weights, w, layer_dims, d);
+    l.moe = specserve_moe::read_weights(*router, dims[di], dims[di + 1] != 0, weights, w, layer_dims, d);
     wi = static_cast<int64_t>(w), di = static_cast<int64_t>(d);
-    l.moe = std::move(m);
   }
   TORCH_CHECK(wi == nw && di == nd - 3, "decoder_layers: ", L, " layers do not use all weights and dims");
   const int64_t nq = dims[nd - 3], nkv = dims[nd - 2], hd = dims[nd - 1], T = x.size(0);

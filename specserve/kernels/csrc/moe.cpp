@@ -30,15 +30,16 @@ std::vector<WeightSeg> expert(const std::vector<WeightSeg>& stacked, int64_t e) 
 
 }  // namespace
 
-std::vector<WeightSeg> read_segs(const c10::List<c10::optional<at::Tensor>>& w, size_t& wi, at::IntArrayRef dims,
-                                 size_t& di) {
-  TORCH_CHECK(di < dims.size(), "moe: dims too short");
-  const int64_t S = dims[di++];
-  TORCH_CHECK(S >= 0 && wi + 3 * S <= w.size() && di + 2 * S <= dims.size(), "moe: weights/dims do not match");
-  std::vector<WeightSeg> segs;
-  for (int64_t i = 0; i < S; ++i, wi += 3, di += 2)
-    segs.push_back({w.get(wi).value(), w.get(wi + 1).value(), w.get(wi + 2).value_or(at::Tensor()), dims[di], dims[di + 1]});
-  return segs;
+MoEWeights read_weights(const at::Tensor& router, int64_t top_k, bool norm,
+                        const c10::List<c10::optional<at::Tensor>>& w, size_t& wi, at::IntArrayRef dims, size_t& di) {
+  MoEWeights m;
+  m.router = router, m.top_k = top_k, m.norm = norm;
+  using specserve_quant::read_segs;
+  m.shared_gate_up = read_segs(w, wi, dims, di);
+  m.shared_down = read_segs(w, wi, dims, di);
+  m.gate_up = read_segs(w, wi, dims, di);
+  m.down = read_segs(w, wi, dims, di);
+  return m;
 }
 
 std::pair<at::Tensor, at::Tensor> moe_forward(const at::Tensor& h, const MoEWeights& m, int64_t impl) {
@@ -111,18 +112,12 @@ std::pair<at::Tensor, at::Tensor> moe_forward(const at::Tensor& h, const MoEWeig
 
 namespace {
 
-// w / dims: the experts' gate|up and down (stacked), then the shared expert's gate|up and down (S = 0: none),
-// each as read_segs reads them.
+// w / dims: as read_weights reads them.
 std::tuple<at::Tensor, at::Tensor> moe_mlp(const at::Tensor& h, const at::Tensor& router_w,
                                            const c10::List<c10::optional<at::Tensor>>& w, at::IntArrayRef dims,
                                            int64_t top_k, bool norm, int64_t impl) {
-  MoEWeights m;
-  m.router = router_w, m.top_k = top_k, m.norm = norm;
   size_t wi = 0, di = 0;
-  m.gate_up = read_segs(w, wi, dims, di);
-  m.down = read_segs(w, wi, dims, di);
-  m.shared_gate_up = read_segs(w, wi, dims, di);
-  m.shared_down = read_segs(w, wi, dims, di);
+  const MoEWeights m = read_weights(router_w, top_k, norm, w, wi, dims, di);
   TORCH_CHECK(wi == w.size() && di == dims.size(), "moe_mlp: weights/dims left over");
   auto [out, touched] = moe_forward(h, m, impl);
   return {out, touched};

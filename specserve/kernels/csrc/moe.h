@@ -22,9 +22,11 @@ struct MoEWeights {
 // h [T, H] float32 (the normed rows) → (the MLP's output [T, H], the experts it ran, ascending int64).
 std::pair<at::Tensor, at::Tensor> moe_forward(const at::Tensor& h, const MoEWeights& m, int64_t impl = -1);
 
-// One projection's segments read from an op's flat (weights, dims) lists at (wi, di): S, then (n, fmt) per
-// segment in dims, three tensors (codes, scales, offsets or None) per segment in weights. Advances both.
-std::vector<WeightSeg> read_segs(const c10::List<c10::optional<at::Tensor>>& w, size_t& wi, at::IntArrayRef dims,
-                                 size_t& di);
+// An MoE block's weights from an op's flat lists (weights, dims) at (wi, di), advancing both: the shared expert's
+// gate_up and down (no segments: none), then the experts' gate_up and down (stacked); each projection its
+// segment count S in dims, then (n, fmt) per segment, and three tensors (codes, scales, offsets or None) per
+// segment in weights.
+MoEWeights read_weights(const at::Tensor& router, int64_t top_k, bool norm,
+                        const c10::List<c10::optional<at::Tensor>>& w, size_t& wi, at::IntArrayRef dims, size_t& di);
 
 }  // namespace specserve_moe

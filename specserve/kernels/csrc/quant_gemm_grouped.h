@@ -1,6 +1,7 @@
 // The grouped block-quantized GEMM (defined in quant_gemm_op.cpp), for ops in other files (moe.cpp).
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/core/List.h>
 
 #include <vector>
 
@@ -13,5 +14,10 @@ struct WeightSeg { at::Tensor wp, wd, wm; int64_t n, fmt; };
 // experts, each on its own rows). NOTE: ys[g] is the bits qgemm_segs(xs[g], W_g) gives. impl as qgemm's.
 std::vector<at::Tensor> qgemm_grouped(const std::vector<at::Tensor>& xs, const std::vector<std::vector<WeightSeg>>& ws,
                                       int64_t impl = -1);
+
+// One projection's segments from an op's flat lists at (wi, di), advancing both: its segment count S in dims, then
+// (n, fmt) per segment; three tensors (codes, scales, offsets or None) per segment in weights. S = 0: none.
+std::vector<WeightSeg> read_segs(const c10::List<c10::optional<at::Tensor>>& w, size_t& wi, at::IntArrayRef dims,
+                                 size_t& di);
 
 }  // namespace specserve_quant

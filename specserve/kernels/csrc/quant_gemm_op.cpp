@@ -219,18 +219,14 @@ at::Tensor qgemm_segs(const at::Tensor& x, const c10::List<c10::optional<at::Ten
   return qgemm_run(x, segs, impl);
 }
 
-// The op form of specserve_quant::qgemm_grouped: xs[g] with weight g given as qgemm_segs takes one (w: 3 tensors
-// per segment, dims: per group its segment count S, then (n, fmt) per segment).
+// The op form of specserve_quant::qgemm_grouped: xs[g] with weight g as read_segs reads it (S > 0 each).
 std::vector<at::Tensor> qgemm_grouped_op(at::TensorList xs, const c10::List<c10::optional<at::Tensor>>& w,
                                          at::IntArrayRef dims, int64_t impl) {
-  std::vector<std::vector<specserve_quant::WeightSeg>> ws(xs.size());
+  std::vector<std::vector<specserve_quant::WeightSeg>> ws;
   size_t wi = 0, di = 0;
-  for (auto& g : ws) {
-    TORCH_CHECK(di < dims.size(), "qgemm_grouped: dims too short");
-    const int64_t S = dims[di++];
-    TORCH_CHECK(S > 0 && wi + 3 * S <= w.size() && di + 2 * S <= dims.size(), "qgemm_grouped: weights/dims do not match");
-    for (int64_t i = 0; i < S; ++i, wi += 3, di += 2)
-      g.push_back({w.get(wi).value(), w.get(wi + 1).value(), w.get(wi + 2).value_or(at::Tensor()), dims[di], dims[di + 1]});
+  for (size_t g = 0; g < xs.size(); ++g) {
+    ws.push_back(specserve_quant::read_segs(w, wi, dims, di));
+    TORCH_CHECK(!ws.back().empty(), "qgemm_grouped: group ", g, " has no weight segments");
   }
   TORCH_CHECK(wi == w.size() && di == dims.size(), "qgemm_grouped: weights/dims left over");
   return specserve_quant::qgemm_grouped(xs.vec(), ws, impl);
@@ -243,6 +239,17 @@ std::string quant_isa() {
 }  // namespace
 
 namespace specserve_quant {
+
+std::vector<WeightSeg> read_segs(const c10::List<c10::optional<at::Tensor>>& w, size_t& wi, at::IntArrayRef dims,
+                                 size_t& di) {
+  TORCH_CHECK(di < dims.size(), "read_segs: dims too short");
+  const int64_t S = dims[di++];
+  TORCH_CHECK(S >= 0 && wi + 3 * S <= w.size() && di + 2 * S <= dims.size(), "read_segs: weights/dims do not match");
+  std::vector<WeightSeg> segs;
+  for (int64_t i = 0; i < S; ++i, wi += 3, di += 2)
+    segs.push_back({w.get(wi).value(), w.get(wi + 1).value(), w.get(wi + 2).value_or(at::Tensor()), dims[di], dims[di + 1]});
+  return segs;
+}
 
 std::vector<at::Tensor> qgemm_grouped(const std::vector<at::Tensor>& xs, const std::vector<std::vector<WeightSeg>>& ws,
                                       int64_t impl) {

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .common import config_flags, record
+from .common import config_flags, median_run, record
 from .launch import Launched, free_port, is_llama_server, launch, llama_server_argv, specserve_argv
 
 _SOURCE = re.compile(r'^\w+:spec_decode_num_(draft|accepted)_tokens_by_source(?:_total)?\{[^}]*source="([^"]+)"[^}]*\}'
@@ -164,7 +164,7 @@ def run_replay(a: argparse.Namespace) -> dict[str, Any]:
                   f"tok/s, accept length {r.get('accept_length')}, sources {r.get('sources')}")
     results: dict[str, Any] = {}
     for name, modes in measured.items():
-        results[name] = {"runs": {m: _median_run(rs) for m, rs in modes.items()}}
+        results[name] = {"runs": {m: median_run(rs) for m, rs in modes.items()}}
         if name in failed:
             results[name]["error"] = failed[name]
     _compare(results)
@@ -187,15 +187,6 @@ def _measure(a: argparse.Namespace, name: str, threads: int, convs: list[dict[st
         r = replay(srv, llama, convs, c)
         r.update(ready_s=srv.ready_s, peak_rss_gib=srv.peak_rss_gib())
     return r
-
-
-def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run of median tok/s (the lower middle of an even count), with every run's tok/s beside it."""
-    ranked = sorted(runs, key=lambda r: r["output_tok_s"])
-    out = dict(ranked[(len(ranked) - 1) // 2])
-    if len(runs) > 1:
-        out["output_tok_s_runs"] = [r["output_tok_s"] for r in runs]
-    return out
 
 
 def _compare(results: dict[str, Any]) -> None:

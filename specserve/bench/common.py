@@ -86,3 +86,12 @@ def config_flags(spec: str, flag: str) -> list[str]:
             raise ValueError(f"{flag} {spec!r}: {o!r} is not flag=value for an engine flag")
         out += [f"--{key.lstrip('-')}", value]
     return out
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median tok/s (the lower middle of an even count), with every run's tok/s beside it."""
+    ranked = sorted(runs, key=lambda r: r["output_tok_s"])
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    if len(runs) > 1:
+        out["output_tok_s_runs"] = [r["output_tok_s"] for r in runs]
+    return out

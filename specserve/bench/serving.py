@@ -7,7 +7,8 @@ the server's Prometheus counters (specserve:/vllm: spec_decode_*), scraped befor
 With --launch, each configuration's server is started on the same GGUF with the same threads (bench/launch.py:
 llama-server, llama-server+draft, llama-server+ngram, or a specserve configuration ALGO[+WINDOW][:flag=value...]),
 timed to ready, run at every concurrency, and stopped; greedy texts are compared with plain decoding's on the same
-engine (`plain`, `llama-server`).
+engine (`plain`, `llama-server`). With `--repeat N` the servers take turns N times (a fresh server each time) and
+each reports its median run per concurrency, every run's tok/s beside it.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import os
 import random
 import re
+import statistics
 import time
 from typing import Any
 
@@ -48,6 +50,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-path", default=None, help="the GGUF every launched server loads")
     g.add_argument("--speculative-draft-model-path", default=None, help="llama-server+draft's draft model (-md)")
     g.add_argument("--num-threads", type=int, default=None, help="threads of every launched server (default: all)")
+    g.add_argument("--repeat", type=int, default=1,
+                   help="the servers take turns this many times; each reports its median run per concurrency")
 
 
 _METRIC = re.compile(r"^(\w+:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens))(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
@@ -162,28 +166,41 @@ def _load(a: argparse.Namespace, base_url: str) -> dict[str, Any]:
 
 
 def _launched(a: argparse.Namespace) -> dict[str, Any]:
-    """--launch: each configuration's server started, timed to ready, loaded at every concurrency, stopped."""
-    from .common import config_flags
+    """--launch: each configuration's server started, timed to ready, loaded at every concurrency, stopped; --repeat
+    times, the servers taking turns."""
+    from .common import config_flags, median_run
 
     if not a.model_path:
         raise ValueError("--launch needs --model-path (the GGUF every server loads)")
+    if a.repeat < 1:
+        raise ValueError("--repeat: at least 1")
     threads = a.num_threads or os.cpu_count() or 1
     batch = max([1] if a.request_rate else a.concurrency)
     results: dict[str, Any] = {}
-    for name in a.launch:
-        port = free_port()
-        argv = (llama_server_argv(name, a.model_path, port, threads, a.speculative_draft_model_path, parallel=batch)
-                if is_llama_server(name) else specserve_argv(a.model_path, port, threads, config_flags(name, "--launch")))
-        print(f"== {name}: {' '.join(argv)}")
-        try:
-            srv = launch(argv, port, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
-        except RuntimeError as e:  # one server that does not start: the others still run
-            print(f"{name}: failed\n{e}")
-            results[name] = {"error": str(e), "argv": argv}
+    measured: dict[str, list[dict[str, Any]]] = {}  # name → one {ready_s, peak_rss_gib, runs} per repeat
+    # NOTE: turns, not one server's repeats in a row: a shared host's speed drifts over minutes
+    for rep in range(a.repeat):
+        for name in (n for n in a.launch if "error" not in results.get(n, {})):
+            port = free_port()
+            argv = (llama_server_argv(name, a.model_path, port, threads, a.speculative_draft_model_path, parallel=batch)
+                    if is_llama_server(name) else specserve_argv(a.model_path, port, threads, config_flags(name, "--launch")))
+            print(f"== {name}{f' (repeat {rep + 1})' if a.repeat > 1 else ''}: {' '.join(argv)}")
+            try:
+                srv = launch(argv, port, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+            except RuntimeError as e:  # one server that does not start: the others still run
+                print(f"{name}: failed\n{e}")
+                results[name] = {"error": str(e), "argv": argv}
+                continue
+            with srv:
+                measured.setdefault(name, []).append({"ready_s": srv.ready_s, "runs": _load(a, srv.url),
+                                                      "peak_rss_gib": srv.peak_rss_gib()})
+            results[name] = {"argv": argv}
+    for name, reps in measured.items():
+        if "error" in results[name]:
             continue
-        with srv:
-            results[name] = {"ready_s": srv.ready_s, "argv": argv, "runs": _load(a, srv.url),
-                             "peak_rss_gib": srv.peak_rss_gib()}
+        results[name].update(ready_s=statistics.median(r["ready_s"] for r in reps),
+                             peak_rss_gib=max(r["peak_rss_gib"] for r in reps),
+                             runs={m: median_run([r["runs"][m] for r in reps]) for m in reps[0]["runs"]})
     for name, r in results.items():  # greedy texts against plain decoding on the same engine
         ref = results.get("llama-server" if is_llama_server(name) else "plain")
         if ref is not None and ref is not r and "runs" in ref and "runs" in r and a.temperature == 0:

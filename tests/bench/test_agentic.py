@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from specserve.bench import agentic
+from specserve.bench.common import median_run
 from specserve.bench.agent_record import converse
 from specserve.bench.agent_tasks import fenced_calls, humaneval_tasks
 from specserve.bench.workloads import _pkg_file
@@ -117,6 +118,6 @@ def test_replay_against_launched_servers(tmp_path: Path) -> None:
 
 def test_median_run_is_the_middle_run() -> None:
     runs = [{"output_tok_s": v, "i": i} for i, v in enumerate((30.0, 10.0, 20.0))]
-    m = agentic._median_run(runs)
+    m = median_run(runs)
     assert (m["i"], m["output_tok_s_runs"]) == (2, [30.0, 10.0, 20.0])
-    assert "output_tok_s_runs" not in agentic._median_run(runs[:1])
+    assert "output_tok_s_runs" not in median_run(runs[:1])

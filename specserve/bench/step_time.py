@@ -123,6 +123,8 @@ def run(a: argparse.Namespace) -> dict:
     a.speculative_algorithm = None
     if (a.llama_server or a.check) and not a.rows:
         raise ValueError("--llama-server and --check belong to the bandwidth table: give --rows")
+    if a.rounds < 1:
+        raise ValueError("--rounds: at least 1")
     t0 = time.perf_counter()
     engine = LLM.from_config(config_from_args(a, a.model)).engine
     load_s = time.perf_counter() - t0

@@ -53,6 +53,8 @@ def test_bench_step_rows_on_the_default_model(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "specserve.cli", "bench", "step", "--check", high],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode != 0 and "--llama-server and --check belong to the bandwidth table: give --rows" in p.stderr
+    p = subprocess.run(cmd + ["--rounds", "0"], capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0 and "--rounds: at least 1" in p.stderr
 
 
 @pytest.mark.slow

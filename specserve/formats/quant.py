@@ -226,15 +226,6 @@ class Int4Weight:
 QuantWeight = BlockQuantWeight | Int4Weight
 
 
-def linear_many(x: torch.Tensor, ws: "list[torch.Tensor | QuantWeight]") -> list[torch.Tensor]:
-    """[linear(x, w) for w in ws]; packed weights in one kernel call (one activation quantization, one thread
-    hand-off). NOTE: the same bits as one call each: a column's result never depends on the call's other segments."""
-    if not all(isinstance(w, BlockQuantWeight) for w in ws):
-        return [linear(x, w) for w in ws]
-    y = torch.ops.specserve.qgemm_segs(x, [t for w in ws for t in w._flat], [d for w in ws for d in w._dims])
-    return [part.contiguous() for part in y.split([w.shape[0] for w in ws], dim=-1)]
-
-
 def linear(x: torch.Tensor, w: "torch.Tensor | QuantWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, (BlockQuantWeight, Int4Weight)):
         return w(x, bias)

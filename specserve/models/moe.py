@@ -25,7 +25,7 @@ from torch import nn
 from . import fused
 from .config import ModelConfig, decoder_from_hf
 from .llama import PARTS, DecoderLayer, LlamaModel, add_segments
-from ..formats.quant import BlockQuantWeight, Int4Weight, StackedQuantWeight, linear, linear_many
+from ..formats.quant import BlockQuantWeight, Int4Weight, StackedQuantWeight, linear
 
 # attention only: a dense MLP's slots hold the shared expert where the family has one
 ATTENTION_PARTS = {k: PARTS[k] for k in ("qkv_w", "o_w")}
@@ -151,8 +151,6 @@ class MoEDecoderLayer(DecoderLayer):
                  swiglu: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Σ_j weights[t, j] · expert_{experts[t, j]}(h[t]), each expert run once on the rows routed to it."""
         T, k = experts.shape
-        if T == 1:
-            return self._experts_one(h, weights, experts[0].tolist(), swiglu)
         flat = experts.reshape(-1)  # slot t·k + j: token t's j-th choice
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens ascending within one
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -167,15 +165,6 @@ class MoEDecoderLayer(DecoderLayer):
             touched.append(e)
         self.touched = touched
         return _combine(ys.view(T, k, -1), weights)
-
-    def _experts_one(self, h: torch.Tensor, weights: torch.Tensor, chosen: list[int],
-                     swiglu: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """`_experts` for one row (a batch-1 decode step): its k experts' gate|up in one kernel call
-        (`linear_many`), then each down projection. NOTE: the batched path's arithmetic, so the same bits."""
-        gus = linear_many(h, [self.experts_gate_up[e] for e in chosen])
-        ys = torch.cat([linear(swiglu(gu), self.experts_down[e]).to(h.dtype) for gu, e in zip(gus, chosen)])
-        self.touched = sorted(chosen)
-        return _combine(ys.view(1, len(chosen), -1), weights)
 
     def expert_nbytes(self, e: int) -> int:
         return weight_nbytes(self.experts_gate_up[e]) + weight_nbytes(self.experts_down[e])

@@ -68,7 +68,7 @@ class CostPolicy(WindowPolicy):
         self.draft_predicted = 0.0  # the model drafter's curve time for the windows planned this step
         self.empty_plans: dict[int, int] = {}  # batch size → plans in a row that drafted nothing
         self.skip: dict[int, int] = {}  # batch size → steps left that skip planning
-        self.calibrations: list[Calibration] = []  # the curves' measurements left for idle time
+        self.calibrations: list[Calibration] = []  # the curves' measurements left to do
         if runner is not None and drafter is not None:
             self.cost_model, cal = CostModel.load(runner, self._key(runner))
             self.calibrations.append(cal)
@@ -87,8 +87,8 @@ class CostPolicy(WindowPolicy):
         kvd = f"-kv{runner.kv.dtype}" if runner.kv.dtype != m.dtype else ""  # a bf16 pool: faster at long contexts
         return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}{kvd}{tp}{kern}")
 
-    def calibrate(self) -> bool:
-        while self.calibrations and not self.calibrations[0].step():
+    def calibrate(self, busy: bool = False) -> bool:
+        while self.calibrations and not self.calibrations[0].step(busy):
             self.calibrations.pop(0)
         return bool(self.calibrations)
 

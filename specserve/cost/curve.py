@@ -149,7 +149,8 @@ class CostModel:
     def load(cls, runner, key: str, cache_dir: Path | None = None) -> tuple["CostModel", "Calibration"]:  # noqa: ANN001
         """The curve cached for model/dtype/threads on this machine, and what is left to measure. NOTE: nothing is
         timed on the way to ready but the two-point curve of a first start: the cached curve's check and a full
-        measurement run as a Calibration, piece by piece while the engine idles (engine.idle_work)."""
+        measurement run as a Calibration, piece by piece while the engine idles (engine.idle_work) or between
+        its steps under load (engine.step)."""
         cache_dir = cache_dir or Path.home() / ".cache" / "specserve" / "cost"
         # NOTE: the measuring method's version in the name: curves cached by an older method are not reused
         path = cache_dir / f"{key}-t{torch.get_num_threads()}-curve{CURVE_VERSION}.json"
@@ -162,8 +163,9 @@ class CostModel:
 
 @dataclass
 class Calibration:
-    """A curve's measurement in pieces of one forward each (`step`, while the engine idles: a request that arrives
-    meanwhile waits for one forward at most), replacing `model`'s points when done and cached at `path`.
+    """A curve's measurement in pieces of one forward each (`step`: while the engine idles, a request that arrives
+    meanwhile waits for one forward at most; under load, between steps, in a bounded share of the engine's time),
+    replacing `model`'s points size by size as they are timed, cached at `path` when done.
     probing: timing PROBE_SIZES to check a cached curve. NOTE: a curve measured while something else loaded the
     machine (or before the VM changed speed) is wrong for as long as it is cached (too dear at one size, it
     verifies those windows far less often than they pay): either probe off by > STALE, the full curve is
@@ -178,14 +180,17 @@ class Calibration:
     times: dict[int, float] = field(default_factory=dict)
     runs: list[float] = field(default_factory=list)  # the size being timed: its forwards so far (the first warms up)
 
-    def step(self) -> bool:
+    def step(self, busy: bool = False) -> bool:
         """One forward of the size being timed, on pages taken and given back (nothing is held between pieces,
-        while requests run); True while more is left."""
+        while requests run); True while more is left. busy: requests hold pages, so a size the pool cannot hold
+        now is tried again later (idle, the pool can never hold it: it and every larger size are dropped)."""
         if not self.sizes:
             return False
         n = self.sizes[0]
         pt = _pages(self.runner, n)
-        if pt is None:  # the pool cannot hold this size (nor a larger one) now
+        if pt is None:
+            if busy:
+                return True
             self.sizes.clear()
             return self._phase_done()
         self.runs.append(CostModel.forward_seconds(self.runner, pt, n))
@@ -194,7 +199,20 @@ class Calibration:
             return True
         self.times[n], self.runs = _median(self.runs[1:]), []
         self.sizes.pop(0)
+        if not self.probing:
+            self._merge()
         return bool(self.sizes) or self._phase_done()
+
+    def _merge(self) -> None:
+        """The sizes timed so far replace the curve up to the largest of them; its points beyond are kept, raised
+        to at least that size's time (a first start's two-point guess, a stale cached curve). NOTE: a first start
+        plans on measured small windows seconds after its load begins, not after the whole curve (a full curve
+        of the 1.5B/0.5B pair: ~22 s of forwards; on the guess alone `cost` priced a 4-token verify at 1.37x a
+        decode step where it costs 1.13x)."""
+        top = max(self.times)
+        beyond = {n: max(t, self.times[top]) for n, t in self.model.points if n > top}
+        self.model.points = CostModel.from_times({**self.times, **beyond}).points
+        self.model.__dict__.pop("hull", None)
 
     def _phase_done(self) -> bool:
         if self.probing:

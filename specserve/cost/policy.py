@@ -10,7 +10,8 @@ The draft stage (speculative/draft.py) calls one per engine around the drafter:
   prefill_pays(context, left) → bool  whether a draft model's forward over `context` tokens pays for a request
                                       with `left` tokens still to generate
   release(request_id)                 forget a finished request
-  calibrate() → bool                  one piece of measurement while the engine idles; True while more is left
+  calibrate(busy) → bool              one piece of measurement (idle, or between steps under load); True while
+                                      more is left
 and reads `floor` (cumulative confidence below which drafting may stop) and `trials` (acceptance per draft
 source, which the commit stage records).
 `fixed`: every request verifies K (bounded by its limits).
@@ -97,8 +98,9 @@ class WindowPolicy(ABC):
         """Forget a finished request's state."""
         self.trials.release(request_id)
 
-    def calibrate(self) -> bool:
-        """One piece of measurement (one forward) while no request runs; True while more is left."""
+    def calibrate(self, busy: bool = False) -> bool:
+        """One piece of measurement (one forward); True while more is left. busy: requests are running (their
+        pages are held, so a forward the pool cannot hold now waits for later)."""
         return False
 
 

@@ -24,7 +24,8 @@ import torch
 from ..cache.kv_pool import KVPool, OutOfPages
 from ..cache.state_pool import StatePool
 from ..config import EngineConfig
-from ..core import AcceptResult, Proposal, Request, SamplingParams, SpecStats, Status, TokenLogprob
+from ..core import (AcceptResult, FatalEngineError, Proposal, Request, SamplingParams, SpecStats, Status,
+                    TokenLogprob)
 from ..cost.policy import StepStats, WindowPolicy
 from ..drafters.base import Drafter
 from ..drafters.context import SpecSettings
@@ -44,6 +45,11 @@ from .prefix import PrefixCaching
 from .scheduler import Scheduler
 
 log = logging.getLogger("specserve")
+
+#: under load, the step-cost measurement a first start (or a stale cache) left takes at most this share of the
+#: engine's time, one forward between two steps. NOTE: a server loaded from its start never idles, and planned on a
+#: two-point guess until it did (the 1.5B/0.5B pair at batch 1: AUTO + draft 1.17x plain instead of 1.36x)
+CALIBRATION_SHARE = 0.1
 
 
 @dataclass
@@ -101,6 +107,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # failed during the current step
         self._after_prefill = False  # a prefill ran since the last decode step (StepStats.after_prefill)
+        self._calibrating = True  # the policy has measurement left (idle_work, _busy_work)
+        self._busy_s = self._calibration_s = 0.0  # seconds of steps, of measurement between them
 
     def close(self) -> None:
         """Release what outlives the engine object: tensor-parallel worker processes; save the drafter's index; the
@@ -170,14 +178,34 @@ class Engine:
         64 tokens, so a request that arrives meanwhile waits for that much); True while more is left. NOTE:
         called only while no request runs: the forward uses the threads and a few pages of the pool. The drafter
         saves its suffix index here when due."""
-        more = self.policy.calibrate()
+        more = self._calibrating = self.policy.calibrate()
         if not more and self.drafter is not None:
             self.drafter.save()
         return more
 
+    def _busy_work(self, step_seconds: float) -> None:
+        """Under load: one piece of the policy's measurement once the pieces so far took at most CALIBRATION_SHARE
+        of the time spent in steps."""
+        if not self._calibrating:
+            return
+        self._busy_s += step_seconds
+        if self._calibration_s > CALIBRATION_SHARE * self._busy_s:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._calibrating = self.policy.calibrate(busy=True)
+        except FatalEngineError:
+            raise
+        except Exception:  # noqa: BLE001 - the measurement is an optimisation: the requests in flight go on without it
+            log.exception("step-cost measurement failed; serving without it")
+            self._calibrating = False
+        self._calibration_s += time.perf_counter() - t0
+        self._after_prefill = True  # NOTE: the next step follows a forward of another size: not one to learn from
+
     # ---- the step ----
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced tokens or finished in it."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         self._failed = []
         touched: list[Request] = []
@@ -186,6 +214,7 @@ class Engine:
             self._after_prefill = True
         if batch.decodes:
             touched += self._decode([r for r in batch.decodes if not r.finished])
+        self._busy_work(time.perf_counter() - t0)
         return touched + [r for r in self._failed if r not in touched]
 
     def _prefill(self, chunks: list[tuple[Request, int]]) -> list[Request]:

@@ -221,3 +221,81 @@ def test_a_timed_forward_routes_an_moe_target_as_text_does(tmp_path) -> None:  #
     spread = model.expert_reads()
     runner.kv.release(pt)
     assert same[0] == TOP_K and all(s > t for s, t in zip(spread, same)) and max(spread) <= EXPERTS
+
+
+def test_under_load_a_size_the_pool_cannot_hold_waits_idle_it_is_dropped(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Busy, requests hold the pages a size needs: the size is tried again later, nothing is timed or dropped.
+    Idle, the pool can never hold it: it and every larger size are dropped, the sizes timed make the curve."""
+    from specserve.cost.curve import Calibration
+
+    forwards, _ = _fake_machine(monkeypatch)
+    room = [True]
+
+    def ensure(pt: list[int], n: int) -> None:
+        if not room[0]:
+            raise RuntimeError("out of pages")
+        pt.append(0)
+
+    runner = SimpleNamespace(kv=SimpleNamespace(ensure=ensure, release=lambda pt: pt.clear()))
+    model = CostModel([(1, 1.0), (5, 1.0)])
+    cal = Calibration(runner, model, tmp_path / "curve.json", [1, 2, 3], probing=False)
+    for _ in range(6):  # size 1: a warm-up forward, then REPEATS
+        assert cal.step(busy=True)
+    room[0] = False
+    assert cal.step(busy=True) and cal.sizes == [2, 3] and len(forwards) == 6 and cal.runs == []
+    assert not cal.step() and cal.sizes == [] and model.points[0] == (1, 1e-3 + 1e-4)
+
+
+def test_a_first_start_plans_on_each_size_as_soon_as_it_is_timed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Timed sizes replace a first start's two-point guess one by one; the guess's points beyond the largest
+    timed size stay, never below it (the curve does not decrease)."""
+    from specserve.cost import curve as cost_mod
+
+    _, true = _fake_machine(monkeypatch)
+    model, cal = CostModel.load(_Pool(), "tiny", cache_dir=tmp_path)
+    model.points = [(1, 5e-4), (5, 1.1e-3)]  # a guess timed on a cold start: too cheap
+    for _ in range(3 * (cost_mod.REPEATS + 1)):  # sizes 1, 2, 3
+        cal.step(busy=True)
+    assert model.points == [*true[:3], (5, true[2][1])]
+    assert "hull" not in model.__dict__
+
+
+def test_a_loaded_engine_measures_its_curve_in_a_bounded_share_of_its_time(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A server loaded from its start never idles: between steps, a piece of the measurement runs whenever the
+    pieces so far took at most CALIBRATION_SHARE of the time spent in steps, until the curve is complete."""
+    from specserve.config import EngineConfig
+    from specserve.core import SamplingParams
+    from specserve.engine import engine as engine_mod
+    from specserve.engine.build import build_engine
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    forwards, true = _fake_machine(monkeypatch)
+    cfg = EngineConfig.from_sources({"model": "tiny", "speculative_algorithm": "NGRAM", "speculative_window": "cost"})
+    eng = build_engine(cfg, tiny_model("llama"), None)
+    forwards.clear()
+    clock, piece = [0.0], [1.0]  # a step takes 1 s, a piece of measurement piece[0] s
+    monkeypatch.setattr(engine_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    timed = CostModel.forward_seconds
+
+    def forward_seconds(runner, pt, n, ctx=128):  # noqa: ANN001, ANN202
+        clock[0] += piece[0]
+        return timed(runner, pt, n, ctx)
+
+    monkeypatch.setattr(CostModel, "forward_seconds", staticmethod(forward_seconds))
+    schedule = eng.scheduler.schedule
+
+    def step_of_one_second():  # noqa: ANN202
+        clock[0] += 1.0
+        return schedule()
+
+    monkeypatch.setattr(eng.scheduler, "schedule", step_of_one_second)
+    eng.add_request([1, 2, 3, 4], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    for _ in range(50):
+        eng.step()
+    assert 5 <= len(forwards) <= 6  # ≤ 10% of 50 s of steps, one piece ahead
+    piece[0] = 0.05
+    while eng._calibrating:
+        assert eng.has_unfinished()
+        eng.step()
+    assert eng.policy.cost_model.points == true
+    assert eng.kv.allocator.num_free + sum(len(r.page_table) for r in eng.requests.values()) == eng.kv.allocator.num_pages

@@ -6,9 +6,9 @@ logprobs, which vLLM/SGLang/specserve all return) percentiles and throughput. Ac
 the server's Prometheus counters (specserve:/vllm: spec_decode_*), scraped before and after.
 With --launch, each configuration's server is started on the same GGUF with the same threads (bench/launch.py:
 llama-server, llama-server+draft, llama-server+ngram, or a specserve configuration ALGO[+WINDOW][:flag=value...]),
-timed to ready, run at every concurrency, and stopped; greedy texts are compared with plain decoding's on the same
-engine (`plain`, `llama-server`). With `--repeat N` the servers take turns N times (a fresh server each time) and
-each reports its median run per concurrency, every run's tok/s beside it.
+timed to ready, run at one concurrency, and stopped (a fresh server per concurrency); greedy texts are compared
+with plain decoding's on the same engine (`plain`, `llama-server`). With `--repeat N` the servers take turns N
+times and each reports its median run per concurrency, every run's tok/s beside it.
 """
 from __future__ import annotations
 
@@ -155,18 +155,23 @@ def _report(r: dict[str, Any], mode: str) -> None:
         print(f"  {k[:-2].upper():5s} ms  " + "  ".join(f"{p} {v * 1000:7.1f}" for p, v in r[k].items()))
 
 
-def _load(a: argparse.Namespace, base_url: str) -> dict[str, Any]:
-    """Every --concurrency (or the request rate) against one server: result per mode."""
+def _load(a: argparse.Namespace, base_url: str, concurrency: list[int | None] | None = None) -> dict[str, Any]:
+    """Each of `concurrency` (default: every --concurrency, or the request rate as None) against one server: result
+    per mode."""
     out = {}
-    for c in ([None] if a.request_rate else a.concurrency):
+    for c in concurrency or _modes(a):
         mode = f"rate {a.request_rate}/s" if c is None else f"concurrency {c}"
         out[mode] = asyncio.run(_run(a, base_url, c or 0))
         _report(out[mode], mode)
     return out
 
 
+def _modes(a: argparse.Namespace) -> list[int | None]:
+    return [None] if a.request_rate else a.concurrency
+
+
 def _launched(a: argparse.Namespace) -> dict[str, Any]:
-    """--launch: each configuration's server started, timed to ready, loaded at every concurrency, stopped; --repeat
+    """--launch: for each concurrency, each configuration's server started, timed to ready, loaded, stopped; --repeat
     times, the servers taking turns."""
     from .common import config_flags, median_run
 
@@ -181,20 +186,29 @@ def _launched(a: argparse.Namespace) -> dict[str, Any]:
     # NOTE: turns, not one server's repeats in a row: a shared host's speed drifts over minutes
     for rep in range(a.repeat):
         for name in (n for n in a.launch if "error" not in results.get(n, {})):
-            port = free_port()
-            argv = (llama_server_argv(name, a.model_path, port, threads, a.speculative_draft_model_path, parallel=batch)
-                    if is_llama_server(name) else specserve_argv(a.model_path, port, threads, config_flags(name, "--launch")))
-            print(f"== {name}{f' (repeat {rep + 1})' if a.repeat > 1 else ''}: {' '.join(argv)}")
-            try:
-                srv = launch(argv, port, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
-            except RuntimeError as e:  # one server that does not start: the others still run
-                print(f"{name}: failed\n{e}")
-                results[name] = {"error": str(e), "argv": argv}
-                continue
-            with srv:
-                measured.setdefault(name, []).append({"ready_s": srv.ready_s, "runs": _load(a, srv.url),
-                                                      "peak_rss_gib": srv.peak_rss_gib()})
-            results[name] = {"argv": argv}
+            one: dict[str, Any] = {"ready_s": [], "peak_rss_gib": 0.0, "runs": {}}
+            # NOTE: a fresh server per concurrency: the same prompts again would hit the prefix cache an earlier
+            # concurrency filled, and the suffix index would draft its answers (AUTO, NGRAM) word for word
+            for c in _modes(a):
+                port = free_port()
+                argv = (llama_server_argv(name, a.model_path, port, threads, a.speculative_draft_model_path,
+                                          parallel=batch)
+                        if is_llama_server(name) else specserve_argv(a.model_path, port, threads,
+                                                                     config_flags(name, "--launch")))
+                print(f"== {name}{f' (repeat {rep + 1})' if a.repeat > 1 else ''}: {' '.join(argv)}")
+                try:
+                    srv = launch(argv, port, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+                except RuntimeError as e:  # one server that does not start: the others still run
+                    print(f"{name}: failed\n{e}")
+                    results[name] = {"error": str(e), "argv": argv}
+                    break
+                with srv:
+                    one["runs"].update(_load(a, srv.url, [c]))
+                    one["ready_s"].append(srv.ready_s)
+                    one["peak_rss_gib"] = max(one["peak_rss_gib"], srv.peak_rss_gib())
+                results[name] = {"argv": argv}
+            else:
+                measured.setdefault(name, []).append({**one, "ready_s": statistics.median(one["ready_s"])})
     for name, reps in measured.items():
         if "error" in results[name]:
             continue

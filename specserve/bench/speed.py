@@ -135,6 +135,10 @@ def run(a: argparse.Namespace) -> dict:
     # configuration of the same mode must stay at 0: lossless; another quantization mode may differ)
     lossless: dict[str, dict[str, int]] = {}
     for bs in a.batch_sizes:
+        for llm in engines.values():  # NOTE: the same prompts again: the suffix index would draft their answers
+            lookups = getattr(llm.engine.drafter, "lookups", None)
+            if lookups is not None and lookups.index is not None:
+                lookups.index.clear()
         batches = [prompts[i : i + bs] for i in range(0, len(prompts) - bs + 1, bs)]
         tot: dict[str, list[float]] = {}
         differ: dict[str, int] = {}

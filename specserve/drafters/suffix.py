@@ -72,6 +72,14 @@ class SuffixIndex:
         self.documents = 0
         self.dirty = False  # changed since the last save
 
+    def clear(self) -> None:
+        """Forget every document (benchmarks: a run of prompts answered before starts cold)."""
+        self.tokens.fill(_SEP)
+        self.prev.fill(-1)
+        self.head.fill(-1)
+        self.end = self.documents = 0
+        self.dirty = True
+
     @property
     def nbytes(self) -> int:
         return self.tokens.nbytes + self.prev.nbytes + self.head.nbytes

@@ -68,6 +68,15 @@ def test_the_ring_is_bounded_and_evicted_documents_never_match() -> None:
         1094, 1095, 1096]
 
 
+def test_a_cleared_index_drafts_nothing_it_saw_and_indexes_again() -> None:
+    idx = SuffixIndex(64)
+    idx.add([1, 2, 3, 4, 5, 6, 7])
+    idx.clear()
+    assert idx.draft([1, 2, 3, 4], 3) == [] and idx.documents == 0 and idx.dirty
+    idx.add([1, 2, 3, 4, 8, 9])
+    assert idx.draft([1, 2, 3, 4], 3) == [8, 9]
+
+
 def test_save_and_load(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     idx = SuffixIndex(256, "vocab-a")
     idx.add([1, 2, 3, 4, 5, 6, 7])

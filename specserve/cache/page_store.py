@@ -107,11 +107,14 @@ class PageStore:
             if ns is None or not d.is_dir():
                 continue
             for e in os.scandir(d):
-                if e.name.endswith(".page") and (key := _hex(e.name[:-5], 16)) is not None:
-                    st = e.stat()
-                    found.append((st.st_mtime_ns, ns, key, st.st_size))
-                elif e.name.endswith(".tmp") and now - e.stat().st_mtime > _STALE_TMP_S:
-                    _unlink(Path(e.path))
+                try:
+                    if e.name.endswith(".page") and (key := _hex(e.name[:-5], 16)) is not None:
+                        st = e.stat()
+                        found.append((st.st_mtime_ns, ns, key, st.st_size))
+                    elif e.name.endswith(".tmp") and now - e.stat().st_mtime > _STALE_TMP_S:
+                        _unlink(Path(e.path))
+                except FileNotFoundError:  # NOTE: another engine on this directory renamed or evicted it meanwhile
+                    continue
         for _, ns, key, size in sorted(found):
             self._files[(ns, key)] = size
             self.total += size

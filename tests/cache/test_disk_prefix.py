@@ -97,6 +97,30 @@ def test_budget_keeps_the_least_recently_used_out_across_restarts(tmp_path: Path
     assert not (tmp_path / NS.hex() / ".stale.tmp").exists()  # a crashed writer's temporary file is removed
 
 
+def test_a_file_another_engine_moves_during_the_scan_is_skipped(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two engines on one directory: a page renamed into place or evicted by the other between listing and stat is
+    no error at start (it was one, `--prefix-cache-dir: No such file or directory`)."""
+    size = HEADER.size + 1000
+    s = PageStore(tmp_path, 4 * size, version=1)
+    for i in range(2):
+        s.put(NS, key(i), [payload(i)])
+    s.flush()
+    s.close()
+    scandir = os.scandir
+
+    def vanishing(path):  # noqa: ANN001, ANN202 - the first entry goes away between listing and stat
+        entries = list(scandir(path))
+        os.unlink(entries[0].path)
+        return [type("Gone", (), {"name": entries[0].name, "path": entries[0].path,
+                                  "stat": lambda self: os.stat(self.path)})()] + entries[1:]
+
+    monkeypatch.setattr(page_store.os, "scandir", vanishing)
+    s2 = PageStore(tmp_path, 4 * size, version=1)
+    assert len(s2._files) == 1 and s2.total == size
+    s2.close()
+
+
 def test_discard_stops_a_queued_write(tmp_path: Path) -> None:
     s = PageStore(tmp_path, 1 << 20, version=1)
     s.put(NS, key(1), [payload(1)])

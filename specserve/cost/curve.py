@@ -158,7 +158,9 @@ class CostModel:
             model = cls([tuple(p) for p in json.loads(path.read_text())])
             return model, Calibration(runner, model, path, list(PROBE_SIZES), probing=True)
         model = cls.measure(runner, sizes=PROBE_SIZES, repeats=2)  # a first guess until the full curve is measured
-        return model, Calibration(runner, model, path, list(COST_SIZES), probing=False)
+        cal = Calibration(runner, model, path, list(COST_SIZES), probing=False)
+        cal.resume()
+        return model, cal
 
 
 @dataclass
@@ -203,6 +205,25 @@ class Calibration:
             self._merge()
         return bool(self.sizes) or self._phase_done()
 
+    @property
+    def partial(self) -> Path:
+        """Where the sizes timed so far are kept until the curve is complete."""
+        return self.path.with_name(self.path.stem + "-partial.json")
+
+    def resume(self) -> None:
+        """Go on from the sizes an earlier start timed (NOTE: short-lived servers under load each measure a share of
+        the curve; without this each started over and none finished)."""
+        try:
+            times = {int(n): float(t) for n, t in json.loads(self.partial.read_text()).items()}
+        except (OSError, ValueError, AttributeError):
+            return
+        self.times = {n: t for n, t in times.items() if n in self.sizes}
+        if self.times:
+            self.sizes = [n for n in self.sizes if n not in self.times]
+            self._merge()
+            if not self.sizes:
+                self._phase_done()
+
     def _merge(self) -> None:
         """The sizes timed so far replace the curve up to the largest of them; its points beyond are kept, raised
         to at least that size's time (a first start's two-point guess, a stale cached curve). NOTE: a first start
@@ -213,6 +234,8 @@ class Calibration:
         beyond = {n: max(t, self.times[top]) for n, t in self.model.points if n > top}
         self.model.points = CostModel.from_times({**self.times, **beyond}).points
         self.model.__dict__.pop("hull", None)
+        self.partial.parent.mkdir(parents=True, exist_ok=True)
+        self.partial.write_text(json.dumps(self.times))
 
     def _phase_done(self) -> bool:
         if self.probing:
@@ -226,4 +249,5 @@ class Calibration:
             self.model.__dict__.pop("hull", None)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(self.model.points))
+            self.partial.unlink(missing_ok=True)
         return False

@@ -299,3 +299,21 @@ def test_a_loaded_engine_measures_its_curve_in_a_bounded_share_of_its_time(tmp_p
         eng.step()
     assert eng.policy.cost_model.points == true
     assert eng.kv.allocator.num_free + sum(len(r.page_table) for r in eng.requests.values()) == eng.kv.allocator.num_pages
+
+
+def test_a_restart_goes_on_from_the_sizes_an_earlier_start_timed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Short-lived servers under load each time a share of the curve: the next start resumes where the last one
+    stopped (not from the first size), plans on what was timed, and the partial file goes once the curve is whole."""
+    from specserve.cost import curve as cost_mod
+
+    forwards, true = _fake_machine(monkeypatch)
+    _, cal = CostModel.load(_Pool(), "tiny", cache_dir=tmp_path)
+    for _ in range(2 * (cost_mod.REPEATS + 1)):  # sizes 1 and 2, then the server stops
+        cal.step(busy=True)
+    forwards.clear()
+    model, cal = CostModel.load(_Pool(), "tiny", cache_dir=tmp_path)
+    assert cal.sizes == list(cost_mod.COST_SIZES[2:]) and model.points[:2] == true[:2]
+    while cal.step():
+        pass
+    assert _sizes(forwards) == [*cost_mod.PROBE_SIZES, *cost_mod.COST_SIZES[2:]]  # the guess, then the rest
+    assert model.points == true and [p.name for p in tmp_path.iterdir()] == [cal.path.name]

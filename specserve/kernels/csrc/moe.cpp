@@ -1,9 +1,9 @@
 // A mixture-of-experts MLP as one op (models/moe.py, MoEDecoderLayer._moe, on block-quantized experts stacked as
 // llama.cpp stacks `ffn_*_exps`): router logits (router_logits: row-invariant), softmax in fp32 → top-k (at::topk,
-// as the reference breaks ties) → renormalised; each touched expert's rows gathered, every expert's gate|up in
-// one grouped GEMM, silu_mul once over all of them, every down projection in a second grouped GEMM; each token's
-// k outputs scaled and summed in its top-k order; qwen2_moe's shared expert (its own groups in the same two
-// GEMMs) added, scaled by sigmoid of its gate logit.
+// as the reference breaks ties) → renormalised; the rows sorted by expert, every touched expert's gate|up on its
+// rows in one parallel loop (quant_gemm_op.cpp qgemm_experts: one activation quantization for all), silu_mul once
+// over all of them, every down projection in a second loop; each token's k outputs scaled and summed in its top-k
+// order; qwen2_moe's shared expert (one more pair in the same two loops) added, scaled by sigmoid of its gate logit.
 // NOTE: the same operations as the Python path in the same order (models/moe.py `_experts`, `_combine`), so the
 // same bits; a token's result never depends on what else is in its batch. Untouched experts are never read.
 #include "moe.h"
@@ -19,13 +19,6 @@ namespace {
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
-std::vector<WeightSeg> expert(const std::vector<WeightSeg>& stacked, int64_t e) {
-  std::vector<WeightSeg> out;
-  for (const WeightSeg& s : stacked)
-    out.push_back({s.wp.select(0, e), s.wd.select(0, e), s.wm.defined() ? s.wm.select(0, e) : at::Tensor(), s.n, s.fmt});
-  return out;
 }
 
 }  // namespace
@@ -58,55 +51,45 @@ std::pair<at::Tensor, at::Tensor> moe_forward(const at::Tensor& h, const MoEWeig
   if (m.norm) weights = weights / weights.sum(-1, true);
   weights = weights.contiguous();
   experts = experts.contiguous();
-  // slots (t, j) grouped by expert, tokens ascending within one (models/moe.py: a stable argsort)
+  // slots s = (t, j) sorted by expert, tokens ascending within one (models/moe.py: a stable argsort): slot s's
+  // row is pos[s] of the expert-sorted rows
   const int64_t* ex = experts.data_ptr<int64_t>();
-  std::vector<std::vector<int64_t>> slots(E);
-  for (int64_t s = 0; s < T * k; ++s) slots[ex[s]].push_back(s);
-  std::vector<int64_t> touched, row_of(T * k), group_of(T * k);
-  std::vector<at::Tensor> xs;
-  std::vector<std::vector<WeightSeg>> gu_w, down_w;
-  for (int64_t e = 0; e < E; ++e) {
-    const auto& sl = slots[e];
-    if (sl.empty()) continue;
-    at::Tensor rows;
-    if (sl.size() == 1) {
-      rows = x.narrow(0, sl[0] / k, 1);
-    } else {
-      std::vector<int64_t> idx;
-      for (int64_t s : sl) idx.push_back(s / k);
-      rows = x.index_select(0, at::tensor(idx, at::kLong));
-    }
-    for (size_t r = 0; r < sl.size(); ++r) row_of[sl[r]] = static_cast<int64_t>(r), group_of[sl[r]] = static_cast<int64_t>(xs.size());
-    xs.push_back(rows);
-    gu_w.push_back(expert(m.gate_up, e));
-    down_w.push_back(expert(m.down, e));
-    touched.push_back(e);
+  std::vector<int64_t> count(E, 0), pos(T * k), token(T * k);
+  for (int64_t s = 0; s < T * k; ++s) {
+    TORCH_CHECK(ex[s] >= 0 && ex[s] < E, "moe: expert index out of range");
+    ++count[ex[s]];
   }
-  const size_t G = xs.size();
-  if (shared) {  // one more group on every row
-    xs.push_back(x);
-    gu_w.push_back(m.shared_gate_up);
-    down_w.push_back(m.shared_down);
+  std::vector<int64_t> start(E, 0), touched;
+  std::vector<specserve_quant::ExpertRows> groups;
+  for (int64_t e = 0, r = 0; e < E; r += count[e++]) {
+    start[e] = r;
+    if (count[e]) touched.push_back(e), groups.push_back({e, r, count[e]});
   }
-  std::vector<at::Tensor> acts = specserve_quant::qgemm_grouped(xs, gu_w, impl);
-  for (at::Tensor& a : acts) a = silu_mul.call(a);  // row-wise: one call per group keeps each group contiguous
-  const std::vector<at::Tensor> ys = specserve_quant::qgemm_grouped(acts, down_w, impl);
+  for (int64_t s = 0; s < T * k; ++s) pos[s] = start[ex[s]]++, token[pos[s]] = s / k;
+  const at::Tensor rows = T == 1 ? x.expand({k, H}).contiguous()
+                                 : x.index_select(0, at::from_blob(token.data(), {T * k}, at::kLong));
+  const at::Tensor none;
+  const std::vector<at::Tensor> gu = specserve_quant::qgemm_experts(rows, m.gate_up, groups, x, m.shared_gate_up, impl);
+  const at::Tensor act_shared = shared ? silu_mul.call(gu[1]) : none;  // row-wise: one call over every group
+  const std::vector<at::Tensor> dn = specserve_quant::qgemm_experts(silu_mul.call(gu[0]), m.down, groups, act_shared,
+                                                                    m.shared_down, impl);
   // out[t] = Σ_j weights[t, j] · y(t, j), in top-k order; NOTE: a product rounded, then a sum rounded (no FMA:
   // -ffp-contract=off), as torch's mul and add in models/moe.py's `_combine`
   at::Tensor out = at::empty({T, H}, x.options());
   float* o = out.data_ptr<float>();
   const float* w = weights.data_ptr<float>();
+  const float* ys = dn[0].data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t j = 0; j < k; ++j) {
       const int64_t s = t * k + j;
-      const float* y = ys[group_of[s]].data_ptr<float>() + row_of[s] * H;
+      const float* y = ys + pos[s] * H;
       const float wt = w[s];
       float* ot = o + t * H;
       if (j == 0) for (int64_t i = 0; i < H; ++i) ot[i] = y[i] * wt;
       else for (int64_t i = 0; i < H; ++i) ot[i] = ot[i] + y[i] * wt;
     }
   }
-  if (shared) out = out + at::sigmoid(logits.narrow(1, E, 1)) * ys[G];
+  if (shared) out = out + at::sigmoid(logits.narrow(1, E, 1)) * dn[1];
   return {out, at::tensor(touched, at::kLong)};
 }
 

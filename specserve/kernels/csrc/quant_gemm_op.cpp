@@ -62,32 +62,27 @@ bool use_amx(int64_t impl, int64_t M) {
   return impl == AUTO && M >= AMX_MIN_M && have_vnni() && specserve_quant::amx_usable();
 }
 
-// pad_rows: q gets M rounded up to a multiple of it rows (zeros past M; the AMX path's contract), returned [M, K].
-// with_lo: a fifth tensor, Σ q_a over the first 16 of each block (Q6_K's scales are per 16).
-std::vector<at::Tensor> quantize_act_padded(const at::Tensor& x_, int64_t impl, int64_t pad_rows, bool with_lo = false) {
+// x [M, K] → (q [M, K] int8, d, sa [M, nb] float, sum [M, nb] int32): the activation quantization every path
+// multiplies (make_job's bits, as tensors for tests and the Python reference).
+std::vector<at::Tensor> quantize_act(const at::Tensor& x_, int64_t impl) {
   if (impl == FROM_ENV) impl = env_impl();
   TORCH_CHECK(x_.dim() == 2 && x_.size(1) % QK == 0, "quantize_act: x must be [M, K] with K % 32 == 0");
   const at::Tensor x = x_.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, padded = (M + pad_rows - 1) / pad_rows * pad_rows;
-  at::Tensor q = padded > M ? at::zeros({padded, K}, x.options().dtype(at::kChar)).narrow(0, 0, M)
-                            : at::empty({M, K}, x.options().dtype(at::kChar));
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, nb}, x.options());
   at::Tensor sa = at::empty({M, nb}, x.options());
   at::Tensor sum = at::empty({M, nb}, x.options().dtype(at::kInt));
-  at::Tensor lo = with_lo ? at::empty({M, nb}, x.options().dtype(at::kInt)) : at::Tensor();
   specserve_quant::quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                                 sa.data_ptr<float>(), sum.data_ptr<int32_t>(), with_lo ? lo.data_ptr<int32_t>() : nullptr,
-                                 use_vnni(impl));
-  if (with_lo) return {q, d, sa, sum, lo};
+                                 sa.data_ptr<float>(), sum.data_ptr<int32_t>(), nullptr, use_vnni(impl));
   return {q, d, sa, sum};
 }
 
-std::vector<at::Tensor> quantize_act(const at::Tensor& x, int64_t impl) { return quantize_act_padded(x, impl, 1); }
-
-// One weight (or row segment of a fused one): packed codes, scales, offsets; n columns written at column col of
-// job's output; its column tiles are [t0, t0 + ntiles) of the parallel loop.
+// One weight (or row segment of a fused one): packed codes, scales, offsets (raw: an expert's are offsets into its
+// stacked tensors, which the caller keeps alive); n columns written at column col of job's output, for the job's
+// rows [r0, r0 + m) (m < 0: all of them); its column tiles are [t0, t0 + ntiles) of the parallel loop.
 struct Seg {
-  const at::Tensor* wp; const at::Tensor* wd; const at::Tensor* wm; int64_t n, fmt, col, t0, ntiles, job = 0;
+  const uint8_t* wp; const void* wd; const void* wm; bool half; int64_t n, fmt, col, t0, ntiles, job = 0, r0 = 0, m = -1;
 };
 
 Seg check_seg(const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at::Tensor>& wm, int64_t n, int64_t fmt,
@@ -108,13 +103,13 @@ Seg check_seg(const at::Tensor& wp, const at::Tensor& wd, const c10::optional<at
                          "qgemm: offsets must have the scales' dtype and shape");
   TORCH_CHECK(has_m || (fmt != K4 && fmt != K5), "qgemm: Q4_K/Q5_K need their dmin (wm)");
   TORCH_CHECK(!has_m || fmt != K6, "qgemm: Q6_K has no offsets");
-  return Seg{&wp, &wd, has_m ? &*wm : nullptr, n, fmt, 0, 0, ntiles};
+  return Seg{wp.data_ptr<uint8_t>(), wd.data_ptr(), has_m ? wm->data_ptr() : nullptr, half, n, fmt, 0, 0, ntiles};
 }
 
 // One activation matrix, quantized, and where its products go (y [M, ldy]): the input of one qgemm, or of one
 // group of a grouped call. Its rows are split between AMX (the first m_amx) and VNNI (the rest) as below.
 struct Job {
-  std::vector<at::Tensor> act;  // quantize_act's tensors (Acts points into them)
+  at::Tensor buf;  // the quantized rows (q, d, sa, sum, lo?) in one allocation; Acts points into it
   Acts a{}, tail{};
   int64_t M = 0, m_amx = 0, rest = 0;
   bool amx = false;
@@ -122,53 +117,66 @@ struct Job {
   int64_t ldy = 0;
 };
 
-Job make_job(const at::Tensor& x2, int64_t impl, bool k6, float* y, int64_t ldy) {
+// a's rows from r0 on
+Acts rows_from(const Acts& a, int64_t r0) {
+  return Acts{a.q + r0 * a.K, a.d + r0 * a.nb, a.sa + r0 * a.nb, a.sum + r0 * a.nb, a.K, a.nb, a.lo ? a.lo + r0 * a.nb : nullptr};
+}
+
+// allow_amx false: VNNI (or portable) whatever M is (a job whose segments take row ranges: AMX reads whole
+// 16-row chunks). NOTE: the quantized rows are quantize_act's bits; one buffer, not five tensors, per job.
+Job make_job(const at::Tensor& x2_, int64_t impl, bool k6, float* y, int64_t ldy, bool allow_amx = true) {
   Job j;
+  const at::Tensor x2 = x2_.scalar_type() == at::kFloat && x2_.is_contiguous() ? x2_ : x2_.to(at::kFloat).contiguous();
   const int64_t M = x2.size(0), K = x2.size(1), nb = K / QK;
-  j.M = M, j.amx = M > 0 && use_amx(impl, M), j.y = y, j.ldy = ldy;
+  TORCH_CHECK(x2.dim() == 2 && K % QK == 0, "qgemm: x must be [M, K] with K % 32 == 0");
+  j.M = M, j.amx = allow_amx && M > 0 && use_amx(impl, M), j.y = y, j.ldy = ldy;
   // Under AUTO, up to VNNI_REST rows past the last full AMX chunk go to VNNI: cheaper than a partial chunk's
   // tile work (gate_up, M = 16 -> 17: +0.027 ms on AMX, a VNNI row 0.018). More rows: a zero-padded AMX chunk.
   j.rest = j.amx && impl == AUTO && M > AMX_CHUNK && M % AMX_CHUNK <= VNNI_REST ? M % AMX_CHUNK : 0;
   j.m_amx = M - j.rest;
-  j.act = quantize_act_padded(x2, impl, j.amx && j.m_amx > AMX_CHUNK ? AMX_CHUNK : 1, k6);
-  j.a = Acts{j.act[0].data_ptr<int8_t>(), j.act[1].data_ptr<float>(), j.act[2].data_ptr<float>(),
-             j.act[3].data_ptr<int32_t>(), K, nb};
-  if (k6) j.a.lo = j.act[4].data_ptr<int32_t>();
-  const Acts& a = j.a;
-  j.tail = Acts{a.q + j.m_amx * K, a.d + j.m_amx * nb, a.sa + j.m_amx * nb, a.sum + j.m_amx * nb, K, nb,
-                a.lo ? a.lo + j.m_amx * nb : nullptr};
+  const int64_t pad = j.amx && j.m_amx > AMX_CHUNK ? AMX_CHUNK : 1, padded = (M + pad - 1) / pad * pad;
+  const int64_t q_bytes = padded * K, n4 = M * nb * 4;  // K % 32 == 0: every part 4-byte aligned
+  j.buf = at::empty({q_bytes + n4 * (k6 ? 4 : 3)}, x2.options().dtype(at::kByte));
+  uint8_t* p = j.buf.data_ptr<uint8_t>();
+  if (padded > M) std::memset(p + M * K, 0, (padded - M) * K);  // the AMX path's zero rows past M
+  j.a = Acts{reinterpret_cast<int8_t*>(p), reinterpret_cast<float*>(p + q_bytes), reinterpret_cast<float*>(p + q_bytes + n4),
+             reinterpret_cast<int32_t*>(p + q_bytes + 2 * n4), K, nb, k6 ? reinterpret_cast<int32_t*>(p + q_bytes + 3 * n4) : nullptr};
+  Acts& a = j.a;
+  specserve_quant::quantize_rows(x2.data_ptr<float>(), M, K, const_cast<int8_t*>(a.q), const_cast<float*>(a.d),
+                                 const_cast<float*>(a.sa), const_cast<int32_t*>(a.sum), const_cast<int32_t*>(a.lo),
+                                 use_vnni(impl));
+  j.tail = rows_from(a, j.m_amx);
   return j;
 }
 
-// Every segment's column tiles in one parallel loop (segment s reads jobs[s.job]'s activations and writes its
-// output). NOTE: the split over tiles (columns), and of rows between paths, never changes any element's
-// arithmetic. AMX takes F4/F8/K4/K6 segments; the other formats run on VNNI (or portable) whatever the path.
+// Every segment's column tiles in one parallel loop (segment s reads jobs[s.job]'s activations, its row range, and
+// writes its output). NOTE: the split over tiles (columns), and of rows between paths, never changes any
+// element's arithmetic. AMX takes F4/F8/K4/K6 segments; the other formats run on VNNI (or portable) whatever the path.
 void run_segs(const std::vector<Job>& jobs, std::vector<Seg>& segs, int64_t impl) {
   int64_t T = 0;
   for (Seg& s : segs) s.t0 = T, T += s.ntiles;
   const bool vnni = use_vnni(impl);
   auto one = [&](const Seg& s, auto* wdp, auto* wmp, int64_t t0, int64_t t1) {
     const Job& j = jobs[s.job];
-    const uint8_t* wpp = s.wp->data_ptr<uint8_t>();
     float* ys = j.y + s.col;
     const int fmt = static_cast<int>(s.fmt);
     const bool simple = fmt == specserve_quant::F4 || fmt == specserve_quant::F8;  // quant_gemm.cpp's formats
     auto vec = [&](const Acts& acts, int64_t rows, float* out) {  // the VNNI (or portable) path
-      if (simple) return specserve_quant::gemm_tiles(acts, rows, wpp, wdp, wmp, fmt, vnni, out, j.ldy, s.n, t0, t1);
-      specserve_quant::gemm_tiles_fmt(acts, rows, fmt, wpp, wdp, wmp, vnni, out, j.ldy, s.n, t0, t1);
+      if (simple) return specserve_quant::gemm_tiles(acts, rows, s.wp, wdp, wmp, fmt, vnni, out, j.ldy, s.n, t0, t1);
+      specserve_quant::gemm_tiles_fmt(acts, rows, fmt, s.wp, wdp, wmp, vnni, out, j.ldy, s.n, t0, t1);
     };
+    if (s.m >= 0) return vec(rows_from(j.a, s.r0), s.m, ys + s.r0 * j.ldy);  // a row range: never an AMX job
     const bool kq_amx = (fmt == specserve_quant::K4 || fmt == specserve_quant::K6) && (impl != AUTO || j.M >= AMX_MIN_M_KQ);
     if (!j.amx || !(simple || kq_amx)) return vec(j.a, j.M, ys);
-    specserve_quant::gemm_tiles_amx(j.a, j.m_amx, wpp, wdp, wmp, fmt, ys, j.ldy, s.n, t0, t1);
+    specserve_quant::gemm_tiles_amx(j.a, j.m_amx, s.wp, wdp, wmp, fmt, ys, j.ldy, s.n, t0, t1);
     if (j.rest) vec(j.tail, j.rest, ys + j.m_amx * j.ldy);
   };
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (const Seg& s : segs) {
       const int64_t lo_t = std::max(t0, s.t0) - s.t0, hi_t = std::min(t1, s.t0 + s.ntiles) - s.t0;
       if (lo_t >= hi_t) continue;
-      if (s.wd->scalar_type() == at::kHalf)
-        one(s, s.wd->data_ptr<at::Half>(), s.wm ? s.wm->data_ptr<at::Half>() : static_cast<at::Half*>(nullptr), lo_t, hi_t);
-      else one(s, s.wd->data_ptr<float>(), s.wm ? s.wm->data_ptr<float>() : static_cast<float*>(nullptr), lo_t, hi_t);
+      if (s.half) one(s, static_cast<const at::Half*>(s.wd), static_cast<const at::Half*>(s.wm), lo_t, hi_t);
+      else one(s, static_cast<const float*>(s.wd), static_cast<const float*>(s.wm), lo_t, hi_t);
     }
   });
 }
@@ -205,16 +213,11 @@ at::Tensor qgemm_segs(const at::Tensor& x, const c10::List<c10::optional<at::Ten
   const int64_t S = static_cast<int64_t>(dims.size()) / 2;
   TORCH_CHECK(S > 0 && static_cast<int64_t>(w.size()) == 3 * S && static_cast<int64_t>(dims.size()) == 2 * S,
               "qgemm_segs: 3 tensors and 2 dims per segment");
-  std::vector<at::Tensor> keep;  // List::get returns copies: hold them while the segments point at them
-  keep.reserve(3 * S);
-  for (int64_t i = 0; i < 3 * S; ++i) keep.push_back(w.get(i).value_or(at::Tensor()));
-  std::vector<c10::optional<at::Tensor>> wms;
-  for (int64_t i = 0; i < S; ++i) wms.push_back(keep[3 * i + 2].defined() ? c10::optional<at::Tensor>(keep[3 * i + 2]) : c10::nullopt);
   std::vector<Seg> segs;
   for (int64_t i = 0; i < S; ++i) {
-    Seg s = check_seg(keep[3 * i], keep[3 * i + 1], wms[i], dims[2 * i], dims[2 * i + 1], x.size(-1));
-    s.wm = wms[i].has_value() ? &*wms[i] : nullptr;
-    segs.push_back(s);
+    const c10::optional<at::Tensor> wp = w.get(3 * i), wd = w.get(3 * i + 1), wm = w.get(3 * i + 2);
+    TORCH_CHECK(wp && wd, "qgemm_segs: segment ", i, " has no codes or scales");
+    segs.push_back(check_seg(*wp, *wd, wm, dims[2 * i], dims[2 * i + 1], x.size(-1)));  // raw pointers: w holds them
   }
   return qgemm_run(x, segs, impl);
 }
@@ -251,31 +254,93 @@ std::vector<WeightSeg> read_segs(const c10::List<c10::optional<at::Tensor>>& w, 
   return segs;
 }
 
+namespace {
+
+Seg seg_of(const WeightSeg& w, int64_t K) {
+  return check_seg(w.wp, w.wd, w.wm.defined() ? c10::optional<at::Tensor>(w.wm) : c10::nullopt, w.n, w.fmt, K);
+}
+
+// One more (x, W) pair for run_segs: its job and segments appended, its output [M, Σ n] returned.
+at::Tensor add_pair(std::vector<Job>& jobs, std::vector<Seg>& segs, const at::Tensor& x, const std::vector<WeightSeg>& w,
+                    int64_t impl) {
+  const int64_t K = x.size(-1);
+  int64_t N = 0;
+  bool k6 = false;
+  for (const WeightSeg& ws : w) {
+    Seg s = seg_of(ws, K);
+    s.col = N, s.job = static_cast<int64_t>(jobs.size());
+    N += ws.n, k6 = k6 || ws.fmt == K6;
+    segs.push_back(s);
+  }
+  const at::Tensor x2 = x.reshape({-1, K});
+  at::Tensor y = at::empty({x2.size(0), N}, x2.options().dtype(at::kFloat));
+  jobs.push_back(make_job(x2, impl, k6, y.data_ptr<float>(), N));
+  return y;
+}
+
+}  // namespace
+
 std::vector<at::Tensor> qgemm_grouped(const std::vector<at::Tensor>& xs, const std::vector<std::vector<WeightSeg>>& ws,
                                       int64_t impl) {
   TORCH_CHECK(xs.size() == ws.size(), "qgemm_grouped: ", xs.size(), " inputs, ", ws.size(), " weights");
   if (impl == FROM_ENV) impl = env_impl();
-  std::vector<c10::optional<at::Tensor>> wms;  // check_seg's offsets, alive while the segments point at them
-  wms.reserve([&] { size_t n = 0; for (const auto& g : ws) n += g.size(); return n; }());
   std::vector<Seg> segs;
   std::vector<Job> jobs;
   std::vector<at::Tensor> ys;
-  for (size_t g = 0; g < xs.size(); ++g) {
-    const int64_t K = xs[g].size(-1);
-    int64_t N = 0;
-    bool k6 = false;
-    for (const WeightSeg& w : ws[g]) {
-      wms.push_back(w.wm.defined() ? c10::optional<at::Tensor>(w.wm) : c10::nullopt);
-      Seg s = check_seg(w.wp, w.wd, wms.back(), w.n, w.fmt, K);
-      s.wm = wms.back().has_value() ? &*wms.back() : nullptr;
-      s.col = N, s.job = static_cast<int64_t>(g);
-      N += w.n, k6 = k6 || w.fmt == K6;
+  for (size_t g = 0; g < xs.size(); ++g) ys.push_back(add_pair(jobs, segs, xs[g], ws[g], impl));
+  run_segs(jobs, segs, impl);
+  return ys;
+}
+
+std::vector<at::Tensor> qgemm_experts(const at::Tensor& x_, const std::vector<WeightSeg>& stacked,
+                                      const std::vector<ExpertRows>& groups, const at::Tensor& extra_x,
+                                      const std::vector<WeightSeg>& extra_w, int64_t impl) {
+  if (impl == FROM_ENV) impl = env_impl();
+  TORCH_CHECK(x_.dim() == 2 && !stacked.empty(), "qgemm_experts: x must be [M, K] and experts given");
+  const at::Tensor x = x_.scalar_type() == at::kFloat && x_.is_contiguous() ? x_ : x_.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), E = stacked[0].wp.size(0);
+  // each stacked segment checked once, on expert 0; expert e's codes, scales and offsets lie e strides on
+  struct Stride { int64_t wp, wd, wm; };
+  std::vector<Seg> base;
+  std::vector<Stride> strides;
+  int64_t N = 0;
+  bool k6 = false;
+  for (const WeightSeg& w : stacked) {
+    TORCH_CHECK(w.wp.dim() >= 2 && w.wp.size(0) == E && w.wd.size(0) == E && (!w.wm.defined() || w.wm.size(0) == E),
+                "qgemm_experts: every segment's tensors must be stacked over the same ", E, " experts");
+    Seg s = seg_of({w.wp.select(0, 0), w.wd.select(0, 0), w.wm.defined() ? w.wm.select(0, 0) : at::Tensor(), w.n, w.fmt}, K);
+    TORCH_CHECK(w.wp.is_contiguous() && w.wd.is_contiguous() && (!w.wm.defined() || w.wm.is_contiguous()),
+                "qgemm_experts: stacked experts must be contiguous");
+    s.col = N, N += w.n, k6 = k6 || w.fmt == K6;
+    base.push_back(s);
+    strides.push_back({w.wp.stride(0), w.wd.stride(0) * w.wd.element_size(), w.wm.defined() ? w.wm.stride(0) * w.wm.element_size() : 0});
+  }
+  std::vector<at::Tensor> ys{at::empty({M, N}, x.options())};
+  float* y = ys[0].data_ptr<float>();
+  std::vector<Job> jobs;
+  std::vector<Seg> segs;
+  // groups of few rows share one quantization of x (row ranges of one job); a group AMX pays on gets its own
+  const bool shared_job = std::any_of(groups.begin(), groups.end(), [&](const ExpertRows& g) { return !use_amx(impl, g.m); });
+  if (shared_job) jobs.push_back(make_job(x, impl, k6, y, N, /*allow_amx=*/false));
+  for (const ExpertRows& g : groups) {
+    TORCH_CHECK(g.expert >= 0 && g.expert < E && g.r0 >= 0 && g.m > 0 && g.r0 + g.m <= M, "qgemm_experts: group of expert ",
+                g.expert, " rows [", g.r0, ", ", g.r0 + g.m, ") out of range");
+    int64_t job = 0, r0 = g.r0, m = g.m;
+    if (use_amx(impl, g.m)) {
+      job = static_cast<int64_t>(jobs.size()), r0 = 0, m = -1;
+      jobs.push_back(make_job(x.narrow(0, g.r0, g.m), impl, k6, y + g.r0 * N, N));
+    }
+    for (size_t i = 0; i < base.size(); ++i) {
+      Seg s = base[i];
+      const Stride& st = strides[i];
+      s.wp += g.expert * st.wp;
+      s.wd = static_cast<const char*>(s.wd) + g.expert * st.wd;
+      if (s.wm) s.wm = static_cast<const char*>(s.wm) + g.expert * st.wm;
+      s.job = job, s.r0 = r0, s.m = m;
       segs.push_back(s);
     }
-    const at::Tensor x2 = xs[g].reshape({-1, K});
-    ys.push_back(at::empty({x2.size(0), N}, x2.options().dtype(at::kFloat)));
-    jobs.push_back(make_job(x2, impl, k6, ys.back().data_ptr<float>(), N));
   }
+  if (!extra_w.empty()) ys.push_back(add_pair(jobs, segs, extra_x, extra_w, impl));
   run_segs(jobs, segs, impl);
   return ys;
 }

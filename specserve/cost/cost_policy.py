@@ -88,9 +88,16 @@ class CostPolicy(WindowPolicy):
         return "".join(c if c.isalnum() else "_" for c in f"{m.cfg.name}-{m.dtype}-{self.config.quantization}{kvd}{tp}{kern}")
 
     def calibrate(self, busy: bool = False) -> bool:
-        while self.calibrations and not self.calibrations[0].step(busy):
-            self.calibrations.pop(0)
+        for cal in list(self.calibrations):
+            if busy and not cal.under_load:
+                continue  # a cached curve's check waits for idle time (curve.Calibration)
+            if cal.step(busy):
+                break
+            self.calibrations.remove(cal)
         return bool(self.calibrations)
+
+    def measures_under_load(self) -> bool:
+        return any(c.under_load for c in self.calibrations)
 
     def idle(self, batch: int) -> bool:
         left = self.skip.get(batch, 0)

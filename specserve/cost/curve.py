@@ -156,7 +156,7 @@ class CostModel:
         path = cache_dir / f"{key}-t{torch.get_num_threads()}-curve{CURVE_VERSION}.json"
         if path.exists():
             model = cls([tuple(p) for p in json.loads(path.read_text())])
-            return model, Calibration(runner, model, path, list(PROBE_SIZES), probing=True)
+            return model, Calibration(runner, model, path, list(PROBE_SIZES), probing=True, under_load=False)
         model = cls.measure(runner, sizes=PROBE_SIZES, repeats=2)  # a first guess until the full curve is measured
         cal = Calibration(runner, model, path, list(COST_SIZES), probing=False)
         cal.resume()
@@ -172,6 +172,11 @@ class Calibration:
     machine (or before the VM changed speed) is wrong for as long as it is cached (too dear at one size, it
     verifies those windows far less often than they pay): either probe off by > STALE, the full curve is
     measured again.
+    under_load: pieces may run between steps while requests run (a first start's curve, whose two-point guess is
+    all there is). A cached curve's check and its re-measurement wait for idle time. NOTE: forwards timed under
+    load share the cores with whatever loads them (on 2 cores, the HTTP clients): a MoE probe under a serving
+    benchmark timed t(1) at 2.2× the idle figure, found the curve "stale", and merged t(6) at 3× t(5), which
+    priced every larger verify at t(6): windows looked free at 8 in flight.
     """
 
     runner: object
@@ -181,6 +186,7 @@ class Calibration:
     probing: bool
     times: dict[int, float] = field(default_factory=dict)
     runs: list[float] = field(default_factory=list)  # the size being timed: its forwards so far (the first warms up)
+    under_load: bool = True
 
     def step(self, busy: bool = False) -> bool:
         """One forward of the size being timed, on pages taken and given back (nothing is held between pieces,
@@ -188,6 +194,8 @@ class Calibration:
         now is tried again later (idle, the pool can never hold it: it and every larger size are dropped)."""
         if not self.sizes:
             return False
+        if busy and not self.under_load:
+            return True
         n = self.sizes[0]
         pt = _pages(self.runner, n)
         if pt is None:
@@ -225,13 +233,15 @@ class Calibration:
                 self._phase_done()
 
     def _merge(self) -> None:
-        """The sizes timed so far replace the curve up to the largest of them; its points beyond are kept, raised
-        to at least that size's time (a first start's two-point guess, a stale cached curve). NOTE: a first start
-        plans on measured small windows seconds after its load begins, not after the whole curve (a full curve
-        of the 1.5B/0.5B pair: ~22 s of forwards; on the guess alone `cost` priced a 4-token verify at 1.37x a
-        decode step where it costs 1.13x)."""
+        """The sizes timed so far replace the curve up to the largest of them; its points beyond are kept (a first
+        start's two-point guess, a stale cached curve), raised by what that size timed above the curve there.
+        NOTE: a first start plans on measured small windows seconds after its load begins, not after the whole
+        curve (a full curve of the 1.5B/0.5B pair: ~22 s of forwards; on the guess alone `cost` priced a 4-token
+        verify at 1.37x a decode step where it costs 1.13x). Raised, not flattened to the top's time: the
+        increments beyond stay (a flat curve makes every longer verify free)."""
         top = max(self.times)
-        beyond = {n: max(t, self.times[top]) for n, t in self.model.points if n > top}
+        lift = max(0.0, self.times[top] - self.model(top))
+        beyond = {n: t + lift for n, t in self.model.points if n > top}
         self.model.points = CostModel.from_times({**self.times, **beyond}).points
         self.model.__dict__.pop("hull", None)
         self.partial.parent.mkdir(parents=True, exist_ok=True)

@@ -103,6 +103,10 @@ class WindowPolicy(ABC):
         pages are held, so a forward the pool cannot hold now waits for later)."""
         return False
 
+    def measures_under_load(self) -> bool:
+        """calibrate(busy=True) has a piece to run: measurement that may share the time of running requests."""
+        return False
+
 
 _POLICIES: dict[str, type[WindowPolicy]] = {}
 #: modules whose import registers policies (beside this one)

@@ -184,9 +184,9 @@ class Engine:
         return more
 
     def _busy_work(self, step_seconds: float) -> None:
-        """Under load: one piece of the policy's measurement once the pieces so far took at most CALIBRATION_SHARE
-        of the time spent in steps."""
-        if not self._calibrating:
+        """Under load: one piece of the policy's measurement (what may run under load: a first start's curve) once
+        the pieces so far took at most CALIBRATION_SHARE of the time spent in steps."""
+        if not self._calibrating or not self.policy.measures_under_load():
             return
         self._busy_s += step_seconds
         if self._calibration_s > CALIBRATION_SHARE * self._busy_s:

@@ -248,16 +248,52 @@ def test_under_load_a_size_the_pool_cannot_hold_waits_idle_it_is_dropped(tmp_pat
 
 def test_a_first_start_plans_on_each_size_as_soon_as_it_is_timed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """Timed sizes replace a first start's two-point guess one by one; the guess's points beyond the largest
-    timed size stay, never below it (the curve does not decrease)."""
+    timed size stay, raised by what that size timed above the curve there (never flattened to it: a flat curve
+    beyond the top makes every longer verify free)."""
     from specserve.cost import curve as cost_mod
 
     _, true = _fake_machine(monkeypatch)
     model, cal = CostModel.load(_Pool(), "tiny", cache_dir=tmp_path)
     model.points = [(1, 5e-4), (5, 1.1e-3)]  # a guess timed on a cold start: too cheap
-    for _ in range(3 * (cost_mod.REPEATS + 1)):  # sizes 1, 2, 3
+    for _ in range(cost_mod.REPEATS + 1):  # size 1: 0.6 ms dearer than the guess, so is every point beyond
         cal.step(busy=True)
-    assert model.points == [*true[:3], (5, true[2][1])]
+    assert model.points == [true[0], (5, pytest.approx(1.7e-3))]
+    for _ in range(2 * (cost_mod.REPEATS + 1)):  # sizes 2, 3: no dearer than the curve there
+        cal.step(busy=True)
+    assert model.points == [*true[:3], (5, pytest.approx(1.7e-3))]
     assert "hull" not in model.__dict__
+
+
+def test_a_cached_curves_check_waits_for_idle_time(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Under load nothing of a cached curve is timed (a probe timed while clients share the cores finds it stale
+    and replaces it with loaded times); the engine does not even ask. Idle, the probe runs and, off by more than
+    STALE, the whole curve is measured again."""
+    import json
+
+    from specserve.config import EngineConfig
+    from specserve.core import SamplingParams
+    from specserve.cost import curve as cost_mod
+    from specserve.engine.build import build_engine
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    forwards, true = _fake_machine(monkeypatch)
+    cfg = EngineConfig.from_sources({"model": "tiny", "speculative_algorithm": "NGRAM", "speculative_window": "cost"})
+    m = tiny_model("llama")
+    eng = build_engine(cfg, m, None)
+    while eng.idle_work():
+        pass
+    path = next((tmp_path / ".cache" / "specserve" / "cost").glob("*-curve4.json"))
+    path.write_text(json.dumps([(n, 3 * t) for n, t in true]))  # cached on a slower day: stale
+    forwards.clear()
+    eng = build_engine(cfg, m, None)
+    assert eng._calibrating and not eng.policy.measures_under_load()
+    eng.add_request([1, 2, 3, 4], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert forwards == [] and eng.policy.cost_model.points[0][1] > 2 * true[0][1]  # the cached curve, unchecked
+    while eng.idle_work():
+        pass
+    assert _sizes(forwards) == [*cost_mod.PROBE_SIZES, *cost_mod.COST_SIZES] and eng.policy.cost_model.points == true
 
 
 def test_a_loaded_engine_measures_its_curve_in_a_bounded_share_of_its_time(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001

@@ -6,6 +6,7 @@ runs (longer contexts, sampling, commit), so the offline curve alone underprices
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -15,7 +16,8 @@ import torch
 
 #: bumped when CostModel.measure changes (3: ascending sizes, medians of 5, non-decreasing; 4: distinct tokens)
 CURVE_VERSION = 4
-#: a cached curve whose t(n) at a probe size differs from a fresh timing by more than this share is measured again
+#: a cached curve whose t(n) at a probe size differs from a fresh timing by more than this share is measured
+#: again, or rescaled where all probes are off by one factor (its t(5)/t(1) holds within this share)
 STALE = 0.3
 PROBE_SIZES = (1, 5)
 #: the hull (cost_windows' guide) is rebuilt after this many online corrections of the curve, not after each
@@ -169,9 +171,11 @@ class Calibration:
     meanwhile waits for one forward at most; under load, between steps, in a bounded share of the engine's time),
     replacing `model`'s points size by size as they are timed, cached at `path` when done.
     probing: timing PROBE_SIZES to check a cached curve. NOTE: a curve measured while something else loaded the
-    machine (or before the VM changed speed) is wrong for as long as it is cached (too dear at one size, it
-    verifies those windows far less often than they pay): either probe off by > STALE, the full curve is
-    measured again.
+    machine is wrong for as long as it is cached (too dear at one size, it verifies those windows far less often
+    than they pay): probes off by > STALE, unless by a common factor, the full curve is measured again. Probes off
+    by a common factor (the VM's read bandwidth moved: 27–57 GB/s within an hour on one host) rescale it: a
+    re-measurement takes ~130 forwards up to 64 tokens of idle time, each delaying a request that arrives during
+    it, and the online correction (`observe`) follows the served sizes anyway.
     under_load: pieces may run between steps while requests run (a first start's curve, whose two-point guess is
     all there is). A cached curve's check and its re-measurement wait for idle time. NOTE: forwards timed under
     load share the cores with whatever loads them (on 2 cores, the HTTP clients): a MoE probe under a serving
@@ -249,8 +253,15 @@ class Calibration:
 
     def _phase_done(self) -> bool:
         if self.probing:
-            if all(n in self.times and abs(self.times[n] - self.model(n)) <= STALE * self.model(n)
-                   for n in PROBE_SIZES):
+            ratios = [self.times[n] / self.model(n) for n in PROBE_SIZES if n in self.times]
+            if len(ratios) == len(PROBE_SIZES) and all(abs(r - 1) <= STALE for r in ratios):
+                return False
+            if len(ratios) == len(PROBE_SIZES) and max(ratios) <= (1 + STALE) * min(ratios):
+                # the shape holds (t(5)/t(1) as cached): the host's speed moved the level
+                level = math.prod(ratios) ** (1 / len(ratios))
+                self.model.points = [(n, t * level) for n, t in self.model.points]
+                self.model.__dict__.pop("hull", None)
+                self.path.write_text(json.dumps(self.model.points))
                 return False
             self.probing, self.sizes, self.times = False, list(COST_SIZES), {}
             return True

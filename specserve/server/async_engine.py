@@ -23,6 +23,12 @@ from .metrics import Metrics, StatsLogger
 
 log = logging.getLogger("specserve.server")
 
+#: the engine's idle work (measuring its step costs, saving the suffix index) starts once no request has run for
+#: this long. NOTE: the gaps between one client's requests are that client's busy time (on 2 cores a probe timed
+#: in them read the 1.5B's t(1) at 1.5× its quiet figure and rescaled the curve to it), and a forward run in one
+#: delays the request that ends it
+QUIET_S = 1.0
+
 
 @dataclass
 class Delta:
@@ -129,11 +135,16 @@ class AsyncEngine:
 
     def _loop(self, eng: Any) -> None:
         idle_work = True  # the engine has work for idle time (measuring its step costs): done between commands
+        busy_at = time.monotonic()  # the last step (or ready): idle work waits QUIET_S past it
         while not self._stopping:
-            self._drain(block=not eng.has_unfinished() and not idle_work)
+            quiet_in = QUIET_S - (time.monotonic() - busy_at)
+            self._drain(block=not eng.has_unfinished() and (not idle_work or quiet_in > 0),
+                        timeout=quiet_in if idle_work else 0.5)
             if self._stopping:
                 break
             if idle_work and not eng.has_unfinished():
+                if time.monotonic() - busy_at < QUIET_S:
+                    continue
                 try:
                     idle_work = eng.idle_work()
                 except FatalEngineError:
@@ -143,7 +154,9 @@ class AsyncEngine:
                     idle_work = False
                 continue
             try:
-                touched = eng.step() if eng.has_unfinished() else []
+                touched: list = []
+                if eng.has_unfinished():
+                    touched, busy_at = eng.step(), time.monotonic()
                 idle_work = idle_work or not eng.has_unfinished()  # idle again: the drafter may save its index
                 if self.metrics:  # before publishing: a client that saw its answer sees the counters too
                     self.metrics.on_step(eng)
@@ -165,9 +178,9 @@ class AsyncEngine:
         if self._on_load_failed:
             self._on_load_failed(e)
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool, timeout: float = 0.5) -> None:
         try:
-            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+            cmd = self._cmds.get(timeout=timeout) if block else self._cmds.get_nowait()
         except queue.Empty:
             return
         while cmd is not None:

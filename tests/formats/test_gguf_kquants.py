@@ -149,32 +149,38 @@ def test_mixed_fused_weight_one_op() -> None:
     assert torch.equal(w(x[:1]), ref[:1])
 
 
-def test_grouped_gemm_gives_each_groups_own_bits() -> None:
-    """qgemm_grouped: several (activation, weight) pairs, differing in rows, K and formats (a fused Q4_K | Q6_K
-    weight among them), in one op: each group's result is the bits qgemm_segs gives it alone, on every path;
-    StackedQuantWeight's experts are views of its stacked segments with the same bits."""
+def test_expert_gemm_gives_each_groups_own_bits() -> None:
+    """qgemm_experts: row ranges of one activation matrix, each on its own expert of a stacked fused Q4_K | Q6_K
+    projection, plus one more (activation, weight) pair in the same loop: every group's rows and the pair are the
+    bits qgemm_segs gives them alone, on every path; StackedQuantWeight's experts are views of its stacked
+    segments with the same bits; a group out of range is an error."""
     from specserve.formats.quant import StackedQuantWeight
 
-    mixed = BlockQuantWeight(cat_rows([gguf_blocks(raw_blocks(t, n, 512, seed=n), t, (n, 512))
-                                       for t, n in (("Q4_K", 48), ("Q6_K", 40))]))
-    single = [BlockQuantWeight(gguf_blocks(raw_blocks(t, n, K, seed=K), t, (n, K)))
-              for t, n, K in (("Q6_K", 32, 256), ("Q4_0", 16, 96), ("Q8_0", 24, 64))]
-    ws, xs = [mixed, *single], [_acts(m, w.shape[1], seed=m) for m, w in zip((1, 7, 3, 17), [mixed, *single])]
-    flat = [t for w in ws for t in w._flat]
-    dims = [v for w in ws for v in (len(w.segments), *w._dims)]
-    for impl in _paths():
-        ys = torch.ops.specserve.qgemm_grouped(xs, flat, dims, impl)
-        assert len(ys) == len(ws)
-        for x, w, y in zip(xs, ws, ys):
-            assert torch.equal(y, torch.ops.specserve.qgemm_segs(x, w._flat, w._dims, impl)), impl
-    with pytest.raises(RuntimeError, match="weights/dims do not match"):
-        torch.ops.specserve.qgemm_grouped(xs, flat, dims[:-2])
-    experts = [BlockQuantWeight(gguf_blocks(raw_blocks("Q4_K", 32, 256, seed=e), "Q4_K", (32, 256))) for e in range(3)]
+    experts = [BlockQuantWeight(cat_rows([gguf_blocks(raw_blocks(t, n, 512, seed=10 * e + n), t, (n, 512))
+                                          for t, n in (("Q4_K", 48), ("Q6_K", 40))])) for e in range(3)]
     stacked = StackedQuantWeight(experts)
-    x = _acts(5, 256)
-    assert len(stacked) == 3 and all(torch.equal(stacked[e](x), experts[e](x)) for e in range(3))
+    flat = [t for seg in stacked.segments for t in seg[:3]]
+    dims = [len(stacked.segments), *(v for seg in stacked.segments for v in seg[3:])]
+    extra = BlockQuantWeight(gguf_blocks(raw_blocks("Q6_K", 32, 256, seed=7), "Q6_K", (32, 256)))
+    x, ex = _acts(9, 512, seed=1), _acts(3, 256, seed=2)
+    groups = [(0, 0, 1), (2, 1, 5), (1, 6, 3)]  # (expert, first row, rows): sorted by expert as moe.cpp sorts them
+    for impl in _paths():
+        y, ey = torch.ops.specserve.qgemm_experts(x, flat, dims, [v for g in groups for v in g], ex, extra._flat,
+                                                  [len(extra.segments), *extra._dims], impl)
+        for e, r0, m in groups:
+            assert torch.equal(y[r0:r0 + m], torch.ops.specserve.qgemm_segs(x[r0:r0 + m], experts[e]._flat,
+                                                                              experts[e]._dims, impl)), impl
+        assert torch.equal(ey, torch.ops.specserve.qgemm_segs(ex, extra._flat, extra._dims, impl)), impl
+    y, = torch.ops.specserve.qgemm_experts(x, flat, dims, [1, 0, 9], x, [], [0])  # no extra pair
+    assert torch.equal(y, experts[1](x))
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.specserve.qgemm_experts(x, flat, dims, [3, 0, 9], x, [], [0])
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.specserve.qgemm_experts(x, flat, dims, [0, 5, 5], x, [], [0])
+    x5 = _acts(5, 512)
+    assert len(stacked) == 3 and all(torch.equal(stacked[e](x5), experts[e](x5)) for e in range(3))
     assert stacked.segments[0][0].shape[0] == 3 and stacked[1].wp.data_ptr() != experts[1].wp.data_ptr()
-    assert not StackedQuantWeight.stackable([experts[0], single[0]])
+    assert not StackedQuantWeight.stackable([experts[0], extra])
 
 
 def test_cpp_layer_loop_with_mixed_formats(monkeypatch: pytest.MonkeyPatch) -> None:

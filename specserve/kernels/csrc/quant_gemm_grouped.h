@@ -1,4 +1,4 @@
-// The grouped block-quantized GEMM (defined in quant_gemm_op.cpp), for ops in other files (moe.cpp).
+// The grouped block-quantized GEMM over stacked experts (defined in quant_gemm_op.cpp), for moe.cpp.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/core/List.h>
@@ -9,12 +9,6 @@ namespace specserve_quant {
 
 // A packed weight's row segment as qgemm_segs takes it: codes, scales, offsets (undefined: none), columns, format.
 struct WeightSeg { at::Tensor wp, wd, wm; int64_t n, fmt; };
-// ys[g] = xs[g] · W_gᵀ for every group g (xs[g] [M_g, K_g] float, W_g its row segments) → [M_g, Σ n] fp32, in one
-// parallel loop over every group's column tiles: one thread hand-off for a batch of small GEMMs (an MoE step's
-// experts, each on its own rows). NOTE: ys[g] is the bits qgemm_segs(xs[g], W_g) gives. impl as qgemm's.
-std::vector<at::Tensor> qgemm_grouped(const std::vector<at::Tensor>& xs, const std::vector<std::vector<WeightSeg>>& ws,
-                                      int64_t impl = -1);
-
 // Expert `expert` of a stacked projection on rows [r0, r0 + m) of qgemm_experts' x.
 struct ExpertRows { int64_t expert, r0, m; };
 // An MoE projection on rows sorted by expert: ys[0] [M, Σ n] holds, for every group, x[r0 : r0 + m] · W_expertᵀ in

@@ -222,17 +222,21 @@ at::Tensor qgemm_segs(const at::Tensor& x, const c10::List<c10::optional<at::Ten
   return qgemm_run(x, segs, impl);
 }
 
-// The op form of specserve_quant::qgemm_grouped: xs[g] with weight g as read_segs reads it (S > 0 each).
-std::vector<at::Tensor> qgemm_grouped_op(at::TensorList xs, const c10::List<c10::optional<at::Tensor>>& w,
-                                         at::IntArrayRef dims, int64_t impl) {
-  std::vector<std::vector<specserve_quant::WeightSeg>> ws;
-  size_t wi = 0, di = 0;
-  for (size_t g = 0; g < xs.size(); ++g) {
-    ws.push_back(specserve_quant::read_segs(w, wi, dims, di));
-    TORCH_CHECK(!ws.back().empty(), "qgemm_grouped: group ", g, " has no weight segments");
-  }
-  TORCH_CHECK(wi == w.size() && di == dims.size(), "qgemm_grouped: weights/dims left over");
-  return specserve_quant::qgemm_grouped(xs.vec(), ws, impl);
+// The op form of specserve_quant::qgemm_experts: w/dims the stacked projection as read_segs reads it, groups
+// (expert, r0, m) triples, extra_w/extra_dims one more pair's weight (S = 0: none).
+std::vector<at::Tensor> qgemm_experts_op(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w,
+                                         at::IntArrayRef dims, at::IntArrayRef groups, const at::Tensor& extra_x,
+                                         const c10::List<c10::optional<at::Tensor>>& extra_w, at::IntArrayRef extra_dims,
+                                         int64_t impl) {
+  size_t wi = 0, di = 0, ewi = 0, edi = 0;
+  const std::vector<specserve_quant::WeightSeg> stacked = specserve_quant::read_segs(w, wi, dims, di);
+  const std::vector<specserve_quant::WeightSeg> extra = specserve_quant::read_segs(extra_w, ewi, extra_dims, edi);
+  TORCH_CHECK(wi == w.size() && di == dims.size() && ewi == extra_w.size() && edi == extra_dims.size(),
+              "qgemm_experts: weights/dims left over");
+  TORCH_CHECK(groups.size() % 3 == 0, "qgemm_experts: groups are (expert, r0, m) triples");
+  std::vector<specserve_quant::ExpertRows> g;
+  for (size_t i = 0; i < groups.size(); i += 3) g.push_back({groups[i], groups[i + 1], groups[i + 2]});
+  return specserve_quant::qgemm_experts(x, stacked, g, extra_x, extra, impl);
 }
 
 std::string quant_isa() {
@@ -279,18 +283,6 @@ at::Tensor add_pair(std::vector<Job>& jobs, std::vector<Seg>& segs, const at::Te
 }
 
 }  // namespace
-
-std::vector<at::Tensor> qgemm_grouped(const std::vector<at::Tensor>& xs, const std::vector<std::vector<WeightSeg>>& ws,
-                                      int64_t impl) {
-  TORCH_CHECK(xs.size() == ws.size(), "qgemm_grouped: ", xs.size(), " inputs, ", ws.size(), " weights");
-  if (impl == FROM_ENV) impl = env_impl();
-  std::vector<Seg> segs;
-  std::vector<Job> jobs;
-  std::vector<at::Tensor> ys;
-  for (size_t g = 0; g < xs.size(); ++g) ys.push_back(add_pair(jobs, segs, xs[g], ws[g], impl));
-  run_segs(jobs, segs, impl);
-  return ys;
-}
 
 std::vector<at::Tensor> qgemm_experts(const at::Tensor& x_, const std::vector<WeightSeg>& stacked,
                                       const std::vector<ExpertRows>& groups, const at::Tensor& extra_x,
@@ -351,6 +343,7 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("quantize_act(Tensor x, int impl=-1) -> Tensor[]", &quantize_act);
   m.def("qgemm(Tensor x, Tensor wp, Tensor wd, Tensor? wm, int n, int bits, int impl=-1) -> Tensor", &qgemm);
   m.def("qgemm_segs(Tensor x, Tensor?[] w, int[] dims, int impl=-1) -> Tensor", &qgemm_segs);
-  m.def("qgemm_grouped(Tensor[] xs, Tensor?[] w, int[] dims, int impl=-1) -> Tensor[]", &qgemm_grouped_op);
+  m.def("qgemm_experts(Tensor x, Tensor?[] w, int[] dims, int[] groups, Tensor extra_x, Tensor?[] extra_w, "
+        "int[] extra_dims, int impl=-1) -> Tensor[]", &qgemm_experts_op);
   m.def("quant_isa() -> str", &quant_isa);
 }

@@ -91,6 +91,11 @@ class CostModel:
                     self.__dict__.pop("hull", None)  # recomputed at its next use
                 return
 
+    def replace(self, points: list[tuple[int, float]]) -> None:
+        """New points (a measurement merged, a rescale): the hull is recomputed at its next use."""
+        self.points = points
+        self.__dict__.pop("hull", None)
+
     @cached_property
     def hull(self) -> "CostModel":
         """The lower convex hull of the points: over a step of the curve, the cost per added token averaged
@@ -177,7 +182,8 @@ class Calibration:
     re-measurement takes ~130 forwards up to 64 tokens of idle time, each delaying a request that arrives during
     it, and the online correction (`observe`) follows the served sizes anyway.
     under_load: pieces may run between steps while requests run (a first start's curve, whose two-point guess is
-    all there is). A cached curve's check and its re-measurement wait for idle time. NOTE: forwards timed under
+    all there is); the policy steps the others only while idle (CostPolicy.calibrate), so a cached curve's check
+    and its re-measurement wait for idle time. NOTE: forwards timed under
     load share the cores with whatever loads them (on 2 cores, the HTTP clients): a MoE probe under a serving
     benchmark timed t(1) at 2.2× the idle figure, found the curve "stale", and merged t(6) at 3× t(5), which
     priced every larger verify at t(6): windows looked free at 8 in flight.
@@ -198,8 +204,6 @@ class Calibration:
         now is tried again later (idle, the pool can never hold it: it and every larger size are dropped)."""
         if not self.sizes:
             return False
-        if busy and not self.under_load:
-            return True
         n = self.sizes[0]
         pt = _pages(self.runner, n)
         if pt is None:
@@ -246,8 +250,7 @@ class Calibration:
         top = max(self.times)
         lift = max(0.0, self.times[top] - self.model(top))
         beyond = {n: t + lift for n, t in self.model.points if n > top}
-        self.model.points = CostModel.from_times({**self.times, **beyond}).points
-        self.model.__dict__.pop("hull", None)
+        self.model.replace(CostModel.from_times({**self.times, **beyond}).points)
         self.partial.parent.mkdir(parents=True, exist_ok=True)
         self.partial.write_text(json.dumps(self.times))
 
@@ -259,16 +262,18 @@ class Calibration:
             if len(ratios) == len(PROBE_SIZES) and max(ratios) <= (1 + STALE) * min(ratios):
                 # the shape holds (t(5)/t(1) as cached): the host's speed moved the level
                 level = math.prod(ratios) ** (1 / len(ratios))
-                self.model.points = [(n, t * level) for n, t in self.model.points]
-                self.model.__dict__.pop("hull", None)
-                self.path.write_text(json.dumps(self.model.points))
+                self.model.replace([(n, t * level) for n, t in self.model.points])
+                self._save()
                 return False
             self.probing, self.sizes, self.times = False, list(COST_SIZES), {}
             return True
         if self.times:
-            self.model.points = CostModel.from_times(self.times).points
-            self.model.__dict__.pop("hull", None)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.model.points))
-            self.partial.unlink(missing_ok=True)
+            self.model.replace(CostModel.from_times(self.times).points)
+            self._save()
         return False
+
+    def _save(self) -> None:
+        """The curve cached at `path`; a partial measurement left from an earlier start is void now."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.model.points))
+        self.partial.unlink(missing_ok=True)

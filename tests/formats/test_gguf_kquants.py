@@ -12,7 +12,7 @@ from specserve.formats.gguf_blocks import UnsupportedBlockType, gguf_blocks
 from specserve.formats.quant import BlockQuantWeight, SegmentedCodes, cat_rows, pack_codes
 from specserve.formats.quant_ref import pack, qgemm_ref
 
-PORTABLE, VNNI, AMX = 1, 2, 3  # quant_gemm.cpp: Impl (0 = auto)
+PORTABLE, VNNI, AMX, AVX2 = 1, 2, 3, 4  # quant_gemm_op.cpp: Impl (0 = auto)
 SIZES = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
          "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 NEW = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -47,7 +47,8 @@ def _acts(M: int, K: int, seed: int = 1) -> torch.Tensor:
 
 def _paths() -> list[int]:
     isa = torch.ops.specserve.quant_isa()
-    return [0, PORTABLE] + ([VNNI] if "avx512vnni" in isa else []) + ([AMX] if "amx" in isa else [])
+    return [0, PORTABLE] + ([AVX2] if "avx2" in isa else []) + ([VNNI] if "avx512vnni" in isa else []) + \
+        ([AMX] if "amx" in isa else [])
 
 
 @pytest.mark.parametrize("qtype", list(SIZES))

@@ -128,20 +128,20 @@ def test_int4_keeps_an_8bit_file_head(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("mode", ["w4a8", "w8a8"])
 def test_quantized_model_same_tokens_and_logits_on_every_kernel_path(mode: str, monkeypatch) -> None:  # noqa: ANN001
-    """SPECSERVE_QUANT_IMPL=amx (forced for every M) / vnni / portable: the same logits bit for bit and the
-    same speculative tokens as auto (which mixes VNNI for decode with AMX for verify)."""
+    """SPECSERVE_QUANT_IMPL=amx (forced for every M) / vnni / avx2 / portable, each the CPU has: the same logits
+    bit for bit and the same speculative tokens as auto (which mixes VNNI for decode with AMX for verify)."""
     m = tiny_model("llama", dtype=torch.float32)
     quantize_model(m, mode)  # loads the kernels
-    if "amx" not in torch.ops.specserve.quant_isa():
-        pytest.skip("AMX-INT8 unavailable: the CPU lacks amx_int8 or Linux refused the tile-data permission")
+    isa = torch.ops.specserve.quant_isa()
+    forced = [i for i, name in (("amx", "amx"), ("vnni", "avx512vnni"), ("avx2", "avx2")) if name in isa] + ["portable"]
     h = torch.randn(17, m.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     outs = {}
-    for impl in ("auto", "amx", "vnni", "portable"):
+    for impl in ["auto"] + forced:
         monkeypatch.setenv("SPECSERVE_QUANT_IMPL", impl)
         logits = m.compute_logits(h)
         rows = torch.cat([m.compute_logits(h[i:i + 1]) for i in range(17)])
         assert torch.equal(logits, rows), impl
         spec = LLM.from_model(m, speculative_algorithm="NGRAM").generate(PROMPTS, SP)
         outs[impl] = (logits, [o.token_ids for o in spec])
-    for impl in ("amx", "vnni", "portable"):
+    for impl in forced:
         assert torch.equal(outs[impl][0], outs["auto"][0]) and outs[impl][1] == outs["auto"][1], impl

@@ -10,13 +10,19 @@ from specserve import kernels
 from specserve.formats.gguf_blocks import gguf_blocks
 from specserve.formats.quant_ref import pack, qgemm_ref, quantize_act_ref
 
-PATHS = (0, 1)  # 0 = best available (AMX-INT8 for M >= a threshold, else AVX-512-VNNI), 1 = portable
-VNNI, AMX = 2, 3  # forced paths (quant_gemm.cpp: Impl)
+VNNI, AMX, AVX2 = 2, 3, 4  # forced paths (quant_gemm_op.cpp: Impl)
+#: 0 = best available (AMX-INT8 for M >= a threshold, else AVX-512-VNNI, else AVX2), 1 = portable, AVX2 forced
+PATHS = (0, 1, AVX2)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _ops() -> None:
     kernels.load()
+
+
+def _need(impl: int) -> None:
+    if impl == AVX2 and "avx2" not in torch.ops.specserve.quant_isa():
+        pytest.skip("AVX2 unavailable on this CPU")
 
 
 def _weights(N: int, K: int, bits: int, has_m: bool, seed: int = 0):  # noqa: ANN202
@@ -37,6 +43,7 @@ def _acts(M: int, K: int, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("impl", PATHS)
 def test_quantize_act_matches_reference(impl: int) -> None:
+    _need(impl)
     x = _acts(7, 128)
     x[1, :32] = torch.arange(32) - 15.5  # ties: x·127/amax lands on .5 for several entries
     x[2, 64:96] = 1e-35  # below the zero-block threshold
@@ -50,6 +57,7 @@ def test_quantize_act_matches_reference(impl: int) -> None:
 @pytest.mark.parametrize("impl", PATHS)
 @pytest.mark.parametrize("bits,has_m", [(4, True), (4, False), (8, False), (8, True)])
 def test_qgemm_bit_equal_to_reference(bits: int, has_m: bool, impl: int, threads: int) -> None:
+    _need(impl)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -70,7 +78,7 @@ def test_lm_head_shape_bit_equal_and_rows_independent(bits: int) -> None:
     w = pack(q, d, m, bits)
     x = _acts(8, K)
     ref = qgemm_ref(x, q, d, m)
-    for impl in PATHS:
+    for impl in _available_paths():
         y = torch.ops.specserve.qgemm(x, *w, N, bits, impl)
         assert torch.equal(y, ref)
         for r in (0, 3, 7):
@@ -82,7 +90,7 @@ def test_rows_do_not_depend_on_the_batch() -> None:
     q, d, m = _weights(960, 576, 4, True)
     w = pack(q, d, m, 4)
     x = _acts(17, 576)
-    for impl in PATHS:
+    for impl in _available_paths():
         single = torch.cat([torch.ops.specserve.qgemm(x[i:i + 1], *w, 960, 4, impl) for i in range(17)])
         for M in (2, 5, 8, 9, 16, 17):
             assert torch.equal(torch.ops.specserve.qgemm(x[:M], *w, 960, 4, impl), single[:M])
@@ -90,7 +98,8 @@ def test_rows_do_not_depend_on_the_batch() -> None:
 
 def _available_paths() -> list[int]:
     isa = torch.ops.specserve.quant_isa()
-    return [1, 0] + ([VNNI] if "avx512vnni" in isa else []) + ([AMX] if "amx" in isa else [])
+    return [1, 0] + ([AVX2] if "avx2" in isa else []) + ([VNNI] if "avx512vnni" in isa else []) + \
+        ([AMX] if "amx" in isa else [])
 
 
 @pytest.mark.parametrize("bits,has_m", [(4, True), (4, False), (8, False), (8, True)])

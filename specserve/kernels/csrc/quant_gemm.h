@@ -1,4 +1,5 @@
-// Shared between quant_gemm.cpp (op, portable + AVX-512-VNNI paths) and quant_gemm_amx.cpp (AMX-INT8 path).
+// Shared between quant_gemm.cpp (portable + AVX-512-VNNI paths), quant_gemm_fmt.cpp, quant_gemm_avx2.cpp (AVX2
+// path) and quant_gemm_amx.cpp (AMX-INT8 path).
 // Numerics: specserve/models/quant_ref.py. Weight layout: quant_ref.pack (tiles of 16 columns, per block
 // 8 groups of 4 K-bytes × 16 columns; 4-bit: groups g and g+4 share a byte; 8-bit: code + 128).
 #pragma once
@@ -112,5 +113,14 @@ void gemm_tiles_fmt(const Acts& a, int64_t M, int fmt, const uint8_t* wp, const 
                     bool vnni, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
 void gemm_tiles_fmt(const Acts& a, int64_t M, int fmt, const uint8_t* wp, const at::Half* wd, const at::Half* wm,
                     bool vnni, float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
+
+// quant_gemm_avx2.cpp: every format and the activation quantization on AVX2 + F16C (CPUs without AVX-512), same
+// contract and bits as above.
+bool have_avx2();
+void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum, int32_t* lo);
+void gemm_tiles_avx2(const Acts& a, int64_t M, int fmt, const uint8_t* wp, const float* wd, const float* wm, float* y,
+                     int64_t ldy, int64_t n, int64_t t0, int64_t t1);
+void gemm_tiles_avx2(const Acts& a, int64_t M, int fmt, const uint8_t* wp, const at::Half* wd, const at::Half* wm,
+                     float* y, int64_t ldy, int64_t n, int64_t t0, int64_t t1);
 
 }  // namespace specserve_quant

@@ -1,6 +1,7 @@
-// The qgemm / qgemm_segs / quantize_act ops: argument checks, the path choice (portable, AVX-512-VNNI, AMX-INT8),
+// The qgemm / qgemm_segs / quantize_act ops: argument checks, the path choice (portable, AVX2, AVX-512-VNNI, AMX-INT8),
 // activation quantization, and one parallel loop over the column tiles of every segment. Kernels: quant_gemm.cpp
-// (4/8-bit codes), quant_gemm_fmt.cpp (5/6-bit and super-block formats), quant_gemm_amx.cpp. Numerics and layout:
+// (4/8-bit codes), quant_gemm_fmt.cpp (5/6-bit and super-block formats), quant_gemm_avx2.cpp (every format),
+// quant_gemm_amx.cpp. Numerics and layout:
 // specserve/models/quant_ref.py.
 #include "quant_gemm.h"
 #include "quant_gemm_grouped.h"
@@ -17,15 +18,16 @@
 
 namespace {
 using specserve_quant::Acts;
+using specserve_quant::have_avx2;
 using specserve_quant::have_vnni;
 using specserve_quant::NR;
 using specserve_quant::QK;
 
-// impl: 0 = best available, 1 = portable, 2 = AVX-512-VNNI only, 3 = AMX-INT8 for every M (tests and benches
-// force a path to compare them; a forced path the CPU lacks is an error, not a silent fallback);
+// impl: 0 = best available, 1 = portable, 2 = AVX-512-VNNI only, 3 = AMX-INT8 for every M, 4 = AVX2 only (tests
+// and benches force a path to compare them; a forced path the CPU lacks is an error, not a silent fallback);
 // -1 = from the environment, read at every call (cheap here, unlike os.environ from Python per linear):
-// SPECSERVE_QUANT_IMPL = auto | portable | vnni | amx; SPECSERVE_QUANT_PORTABLE=1 means portable.
-enum Impl : int64_t { FROM_ENV = -1, AUTO = 0, PORTABLE = 1, VNNI = 2, AMX = 3 };
+// SPECSERVE_QUANT_IMPL = auto | portable | avx2 | vnni | amx; SPECSERVE_QUANT_PORTABLE=1 means portable.
+enum Impl : int64_t { FROM_ENV = -1, AUTO = 0, PORTABLE = 1, VNNI = 2, AMX = 3, AVX2 = 4 };
 
 int64_t env_impl() {
   const char* portable = std::getenv("SPECSERVE_QUANT_PORTABLE");
@@ -33,9 +35,10 @@ int64_t env_impl() {
   const char* name = std::getenv("SPECSERVE_QUANT_IMPL");
   if (!name || !*name || !std::strcmp(name, "auto")) return AUTO;
   if (!std::strcmp(name, "portable")) return PORTABLE;
+  if (!std::strcmp(name, "avx2")) return AVX2;
   if (!std::strcmp(name, "vnni")) return VNNI;
   if (!std::strcmp(name, "amx")) return AMX;
-  TORCH_CHECK(false, "SPECSERVE_QUANT_IMPL='", name, "': choose one of auto, portable, vnni, amx");
+  TORCH_CHECK(false, "SPECSERVE_QUANT_IMPL='", name, "': choose one of auto, portable, avx2, vnni, amx");
 }
 // AMX pays off from this many rows. At SmolLM2-135M's shapes it loses at M <= 6 (its fixed tile/expand
 // cost per block), is mixed at M = 8 (-8 %..+10 % per shape; no gain end to end for verify-8), and wins on
@@ -48,10 +51,20 @@ constexpr int64_t AMX_MIN_M_KQ = 32;
 constexpr int64_t AMX_CHUNK = 16;  // rows per AMX tile multiply (quant_gemm_amx.cpp: MT)
 constexpr int64_t VNNI_REST = 3;
 
-bool use_vnni(int64_t impl) {
-  TORCH_CHECK(impl >= AUTO && impl <= AMX, "qgemm: impl must be 0 (auto), 1 (portable), 2 (vnni) or 3 (amx)");
-  TORCH_CHECK(impl < VNNI || have_vnni(), "qgemm: this CPU has no AVX-512-VNNI");
-  return impl != PORTABLE && have_vnni();
+// The kernels of a call's rows that AMX does not take: AVX-512-VNNI where the CPU has it, else AVX2, else portable.
+enum class Vec { portable, avx2, vnni };
+Vec vec_path(int64_t impl) {
+  TORCH_CHECK(impl >= AUTO && impl <= AVX2, "qgemm: impl must be 0 (auto), 1 (portable), 2 (vnni), 3 (amx) or 4 (avx2)");
+  TORCH_CHECK((impl != VNNI && impl != AMX) || have_vnni(), "qgemm: this CPU has no AVX-512-VNNI");
+  TORCH_CHECK(impl != AVX2 || have_avx2(), "qgemm: this CPU has no AVX2");
+  if (impl == PORTABLE) return Vec::portable;
+  if (impl == AVX2) return Vec::avx2;
+  return have_vnni() ? Vec::vnni : have_avx2() ? Vec::avx2 : Vec::portable;
+}
+
+void quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sa, int32_t* sum, int32_t* lo, Vec v) {
+  if (v == Vec::avx2) return specserve_quant::quantize_rows_avx2(x, M, K, q, d, sa, sum, lo);
+  specserve_quant::quantize_rows(x, M, K, q, d, sa, sum, lo, v == Vec::vnni);
 }
 
 bool use_amx(int64_t impl, int64_t M) {
@@ -73,8 +86,8 @@ std::vector<at::Tensor> quantize_act(const at::Tensor& x_, int64_t impl) {
   at::Tensor d = at::empty({M, nb}, x.options());
   at::Tensor sa = at::empty({M, nb}, x.options());
   at::Tensor sum = at::empty({M, nb}, x.options().dtype(at::kInt));
-  specserve_quant::quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                                 sa.data_ptr<float>(), sum.data_ptr<int32_t>(), nullptr, use_vnni(impl));
+  quantize(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), sa.data_ptr<float>(),
+           sum.data_ptr<int32_t>(), nullptr, vec_path(impl));
   return {q, d, sa, sum};
 }
 
@@ -142,9 +155,8 @@ Job make_job(const at::Tensor& x2_, int64_t impl, bool k6, float* y, int64_t ldy
   j.a = Acts{reinterpret_cast<int8_t*>(p), reinterpret_cast<float*>(p + q_bytes), reinterpret_cast<float*>(p + q_bytes + n4),
              reinterpret_cast<int32_t*>(p + q_bytes + 2 * n4), K, nb, k6 ? reinterpret_cast<int32_t*>(p + q_bytes + 3 * n4) : nullptr};
   Acts& a = j.a;
-  specserve_quant::quantize_rows(x2.data_ptr<float>(), M, K, const_cast<int8_t*>(a.q), const_cast<float*>(a.d),
-                                 const_cast<float*>(a.sa), const_cast<int32_t*>(a.sum), const_cast<int32_t*>(a.lo),
-                                 use_vnni(impl));
+  quantize(x2.data_ptr<float>(), M, K, const_cast<int8_t*>(a.q), const_cast<float*>(a.d), const_cast<float*>(a.sa),
+           const_cast<int32_t*>(a.sum), const_cast<int32_t*>(a.lo), vec_path(impl));
   j.tail = rows_from(a, j.m_amx);
   return j;
 }
@@ -155,13 +167,15 @@ Job make_job(const at::Tensor& x2_, int64_t impl, bool k6, float* y, int64_t ldy
 void run_segs(const std::vector<Job>& jobs, std::vector<Seg>& segs, int64_t impl) {
   int64_t T = 0;
   for (Seg& s : segs) s.t0 = T, T += s.ntiles;
-  const bool vnni = use_vnni(impl);
+  const Vec v = vec_path(impl);
+  const bool vnni = v == Vec::vnni;
   auto one = [&](const Seg& s, auto* wdp, auto* wmp, int64_t t0, int64_t t1) {
     const Job& j = jobs[s.job];
     float* ys = j.y + s.col;
     const int fmt = static_cast<int>(s.fmt);
     const bool simple = fmt == specserve_quant::F4 || fmt == specserve_quant::F8;  // quant_gemm.cpp's formats
-    auto vec = [&](const Acts& acts, int64_t rows, float* out) {  // the VNNI (or portable) path
+    auto vec = [&](const Acts& acts, int64_t rows, float* out) {  // the VNNI, AVX2 or portable path
+      if (v == Vec::avx2) return specserve_quant::gemm_tiles_avx2(acts, rows, fmt, s.wp, wdp, wmp, out, j.ldy, s.n, t0, t1);
       if (simple) return specserve_quant::gemm_tiles(acts, rows, s.wp, wdp, wmp, fmt, vnni, out, j.ldy, s.n, t0, t1);
       specserve_quant::gemm_tiles_fmt(acts, rows, fmt, s.wp, wdp, wmp, vnni, out, j.ldy, s.n, t0, t1);
     };
@@ -239,8 +253,12 @@ std::vector<at::Tensor> qgemm_experts_op(const at::Tensor& x, const c10::List<c1
   return specserve_quant::qgemm_experts(x, stacked, g, extra_x, extra, impl);
 }
 
+// The instruction sets the kernels can use here, best first ("portable" where none): the paths a test may force.
 std::string quant_isa() {
-  return !have_vnni() ? "portable" : specserve_quant::amx_usable() ? "amx-int8+avx512vnni" : "avx512vnni";
+  std::string isa = specserve_quant::amx_usable() ? "amx-int8+" : "";
+  if (have_vnni()) isa += "avx512vnni+";
+  if (have_avx2()) isa += "avx2+";
+  return isa.empty() ? "portable" : isa.substr(0, isa.size() - 1);
 }
 
 }  // namespace

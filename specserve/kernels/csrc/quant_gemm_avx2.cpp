@@ -51,10 +51,12 @@ AVX2_TARGET inline void decode_half(const uint8_t* blk, int h, __m256i* w) {
   blk += 32 * h;
   if (BITS == 8) {
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) w[g] = _mm256_xor_si256(load32(blk + g * 64), flip);
     return;
   }
   const __m256i nib = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
   for (int g = 0; g < 4; ++g) {
     const __m256i v = load32(blk + g * 64);
     w[g] = _mm256_and_si256(v, nib);
@@ -73,6 +75,7 @@ AVX2_TARGET inline void decode_half(const uint8_t* blk, int h, __m256i* w) {
   }
   if (BITS == 6) {  // bits 2j..2j+1 of plane p → bits 4..5 of group 4p + j
     const __m256i b45 = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
     for (int p = 0; p < 2; ++p) {
       const __m256i v = load32(blk + 256 + p * 64);
       w[4 * p] = _mm256_or_si256(w[4 * p], _mm256_and_si256(_mm256_slli_epi16(v, 4), b45));
@@ -83,97 +86,118 @@ AVX2_TARGET inline void decode_half(const uint8_t* blk, int h, __m256i* w) {
   }
 }
 
-// Σ over groups [g0, g0 + 4) of codes · activations, per column (8 int32): exact (module NOTE).
-template <int BITS>
-AVX2_TARGET inline __m256i dot4(const __m256i* w, const int32_t* qa, int g0) {
+// Σ over groups [G0, G0 + NG) of codes · activations, per column (8 int32): exact (module NOTE).
+template <int BITS, int G0, int NG>
+AVX2_TARGET inline __m256i dot(const __m256i* w, const int32_t* qa) {
   const __m256i ones = _mm256_set1_epi16(1);
-  constexpr int RUN = BITS <= 5 ? 4 : BITS == 6 ? 2 : 1;  // groups whose s16 pair sums add without saturating
+  constexpr int RUN = std::min(NG, BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1);  // s16 sums that cannot saturate
   __m256i s = _mm256_setzero_si256();
-  for (int g = g0; g < g0 + 4; g += RUN) {
-    __m256i p = _mm256_setzero_si256();
-    for (int j = g; j < g + RUN; ++j) {
-      const __m256i a = _mm256_set1_epi32(qa[j]);
-      p = _mm256_add_epi16(p, BITS == 8 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(a, w[j]))
-                                        : _mm256_maddubs_epi16(w[j], a));
+#pragma GCC unroll 8
+  for (int g = G0; g < G0 + NG; g += RUN) {
+    __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two chains of s16 pair sums
+#pragma GCC unroll 8
+    for (int j = 0; j < RUN; ++j) {
+      const __m256i a = _mm256_set1_epi32(qa[g + j]), wj = w[g + j];
+      p[j & 1] = _mm256_add_epi16(p[j & 1], BITS == 8 ? _mm256_maddubs_epi16(_mm256_abs_epi8(wj), _mm256_sign_epi8(a, wj))
+                                                      : _mm256_maddubs_epi16(wj, a));
     }
-    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones));
   }
   return s;
 }
 
-// R rows against one tile of 16 columns, half by half. `pf`: a later tile's bytes (prefetched a block's share at
-// a time while this one computes), `pfd`/`pfm` its scale arrays.
-template <int R, int FMT, bool HAS_M, typename S>
+// R rows against NH halves of one tile, from columns 8·h0 on (a half: 8 columns, one ymm of fp32 per row). Up to
+// 2 rows take both halves in one pass; more take them one after the other (R accumulators and one block's 8 code
+// vectors then stay in the 16 ymm registers). `pf`: a later tile's bytes (prefetched a block's share at a time),
+// `pfd`/`pfm` its scale arrays.
+template <int R, int NH, int FMT, bool HAS_M, typename S>
 AVX2_TARGET void tile_avx2(const Acts& a, int64_t m0, const uint8_t* wp, const S* wd, const S* wm, float* out,
-                           int64_t ldo, int64_t ncols, const uint8_t* pf, const S* pfd, const S* pfm) {
+                           int64_t ldo, int64_t ncols, int h0, const uint8_t* pf, const S* pfd, const S* pfm) {
   constexpr int BITS = FMT & 15;
   constexpr bool KQF = (FMT & KQ) != 0;
   const int64_t nb = a.nb;
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[R][NH];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NH; ++k) acc[r][k] = _mm256_setzero_ps();
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t sr = (KQF ? b >> 3 : b) * NR;
     const uint8_t* blk = KQF ? wp + (b >> 3) * sb_bytes(FMT) + (b & 7) * code_bytes(FMT) : wp + b * code_bytes(FMT);
-    const uint8_t* sub = KQF ? wp + (b >> 3) * sb_bytes(FMT) + 8 * code_bytes(FMT) + (b & 7) * 32 : nullptr;
+    const uint8_t* sub0 = KQF ? wp + (b >> 3) * sb_bytes(FMT) + 8 * code_bytes(FMT) + (b & 7) * 32 : nullptr;
+    const int64_t sr0 = (KQF ? b >> 3 : b) * NR;
     if (pf) {
       constexpr int64_t share = KQF ? sb_bytes(FMT) / 8 : code_bytes(FMT);
       for (int64_t l = b * share & ~int64_t(63); l < (b + 1) * share; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(pf + l), _MM_HINT_T1);
       if (!KQF || (b & 7) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(pfd + sr), _MM_HINT_T1);
-        if (HAS_M) _mm_prefetch(reinterpret_cast<const char*>(pfm + sr), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(pfd + sr0), _MM_HINT_T1);
+        if (HAS_M) _mm_prefetch(reinterpret_cast<const char*>(pfm + sr0), _MM_HINT_T1);
       }
     }
-    for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 2
+    for (int k = 0; k < NH; ++k) {
+      const int h = h0 + k;
+      const int64_t sr = sr0 + 8 * h;
+      const uint8_t* sub = KQF ? sub0 + 8 * h : nullptr;
       __m256i w[8];
       decode_half<BITS>(blk, h, w);
-      __m256 dw = load8(wd + sr + 8 * h), mw = _mm256_setzero_ps();
+      __m256 dw = load8(wd + sr), mw = _mm256_setzero_ps();
       __m256i sc0 = _mm256_setzero_si256(), sc1 = _mm256_setzero_si256();
       if (FMT == K6) {
-        sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * h)));
-        sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + NR + 8 * h)));
+        sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub)));
+        sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + NR)));
       } else if (KQF) {  // d_w = d·sc, m_w = (−dmin)·mn: quant_gemm_fmt.cpp's order
-        mw = _mm256_mul_ps(_mm256_xor_ps(load8(wm + sr + 8 * h), sign), bytes8(sub + NR + 8 * h, false));
-        dw = _mm256_mul_ps(dw, bytes8(sub + 8 * h, false));
+        mw = _mm256_mul_ps(_mm256_xor_ps(load8(wm + sr), sign), bytes8(sub + NR, false));
+        dw = _mm256_mul_ps(dw, bytes8(sub, false));
       } else if (HAS_M) {
-        mw = load8(wm + sr + 8 * h);
+        mw = load8(wm + sr);
       }
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m0 + r) * nb + b;
         const int32_t* qa = reinterpret_cast<const int32_t*>(a.q + (m0 + r) * a.K + b * QK);
-        const __m256i lo = dot4<BITS>(w, qa, 0), hi = dot4<BITS>(w, qa, 4);
         __m256i s;
         if (FMT == K6) {
           const int32_t alo = a.lo[i], ahi = a.sum[i] - alo;
-          s = _mm256_add_epi32(_mm256_mullo_epi32(sc0, _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * alo))),
-                               _mm256_mullo_epi32(sc1, _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * ahi))));
+          s = _mm256_add_epi32(_mm256_mullo_epi32(sc0, _mm256_sub_epi32(dot<BITS, 0, 4>(w, qa), _mm256_set1_epi32(32 * alo))),
+                               _mm256_mullo_epi32(sc1, _mm256_sub_epi32(dot<BITS, 4, 4>(w, qa), _mm256_set1_epi32(32 * ahi))));
         } else {
-          s = _mm256_add_epi32(lo, hi);
+          s = dot<BITS, 0, 8>(w, qa);
           if (FMT == F5 && !HAS_M) s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * a.sum[i]));  // Q5_0: codes + 16
         }
         const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[i]));
-        acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
-        if (HAS_M) acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(mw, _mm256_set1_ps(a.sa[i])));
+        acc[r][k] = _mm256_add_ps(acc[r][k], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(s)));
+        if (HAS_M) acc[r][k] = _mm256_add_ps(acc[r][k], _mm256_mul_ps(mw, _mm256_set1_ps(a.sa[i])));
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float row[NR];
-    _mm256_store_ps(row, acc[r][0]);
-    _mm256_store_ps(row + 8, acc[r][1]);
-    std::copy(row, row + ncols, out + r * ldo);
+  for (int k = 0; k < NH; ++k) {
+    const int h = h0 + k;
+    const int64_t n = std::min<int64_t>(8, ncols - 8 * h);
+    for (int r = 0; r < R && n > 0; ++r) {
+      if (n == 8) {
+        _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r][k]);
+        continue;
+      }
+      alignas(32) float row[8];
+      _mm256_store_ps(row, acc[r][k]);
+      std::copy(row, row + n, out + r * ldo + 8 * h);
+    }
   }
 }
 
 template <int FMT, bool HAS_M, typename S>
 void rows_avx2(int64_t mr, const Acts& a, int64_t m0, const uint8_t* wp, const S* wd, const S* wm, float* out,
                int64_t ldo, int64_t ncols, const uint8_t* pf, const S* pfd, const S* pfm) {
+#define TILE(R, NH, H0, PF) tile_avx2<R, NH, FMT, HAS_M, S>(a, m0, wp, wd, wm, out, ldo, ncols, H0, PF, pfd, pfm)
   switch (mr) {
-#define CASE(R) case R: tile_avx2<R, FMT, HAS_M, S>(a, m0, wp, wd, wm, out, ldo, ncols, pf, pfd, pfm); break;
-    CASE(1) CASE(2) CASE(3) CASE(4)
-#undef CASE
+    case 1: TILE(1, 2, 0, pf); return;
+    case 2: TILE(2, 2, 0, pf); return;
   }
+  for (int h = 0; h < 2 && 8 * h < ncols; ++h, pf = nullptr) {
+    if (mr == 3) TILE(3, 1, h, pf);
+    else TILE(4, 1, h, pf);
+  }
+#undef TILE
 }
 
 template <typename S>

@@ -1,6 +1,6 @@
 """What machine a benchmark ran on. NOTE: this VM changes CPU kind from one start to the next (AMD EPYC with
-AVX-512 BF16/VNNI; a Sapphire Rapids whose AMX faulted), so only ratios measured in one run
-compare; every result JSON carries this record."""
+AVX-512 BF16/VNNI, an AMD EPYC with AVX2 only; a Sapphire Rapids whose AMX faulted), so only ratios measured in one
+run compare; every result JSON carries this record, with the kernel path that ran."""
 from __future__ import annotations
 
 import os
@@ -61,4 +61,18 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "read_bandwidth_gbs": round(stream_bandwidth_gbs(), 1),  # measured as the run ends
+        "qgemm_isa": _qgemm_isa(),
     }
+
+
+def _qgemm_isa() -> str:
+    """The instruction sets specserve's integer kernels use here, best first (their op's own answer)."""
+    import torch
+
+    from .. import kernels
+
+    try:
+        kernels.load()
+        return str(torch.ops.specserve.quant_isa())
+    except Exception as e:  # noqa: BLE001 - a machine record never fails a benchmark
+        return f"unavailable ({type(e).__name__})"

@@ -127,4 +127,7 @@ def test_machine_record_names_cpu_and_kernel_paths() -> None:
     assert ("avx512_vnni" in info["cpu_flags"]) == ("avx512_vnni" in flags)
     assert info["torch_threads"] >= 1 and set(info["torch_usable"]) >= {"vnni", "amx_tile"}
     assert 0.1 < info["read_bandwidth_gbs"] < 10_000  # measured by the same run: ratios need their machine
+    # the integer kernels' paths: AVX-512-VNNI and AVX2 where the CPU has them (never the portable loops there)
+    isa = info["qgemm_isa"].split("+")
+    assert ("avx512vnni" in isa) == ("avx512_vnni" in flags) and ("avx2" in isa) == ("avx2" in flags)
     json.dumps(info)  # lands in every result JSON

@@ -163,7 +163,8 @@ Job make_job(const at::Tensor& x2_, int64_t impl, bool k6, float* y, int64_t ldy
 
 // Every segment's column tiles in one parallel loop (segment s reads jobs[s.job]'s activations, its row range, and
 // writes its output). NOTE: the split over tiles (columns), and of rows between paths, never changes any
-// element's arithmetic. AMX takes F4/F8/K4/K6 segments; the other formats run on VNNI (or portable) whatever the path.
+// element's arithmetic. AMX takes F4/F8/K4/K6 segments; the other formats run on
+// VNNI (else AVX2, else portable) whatever the path.
 void run_segs(const std::vector<Job>& jobs, std::vector<Seg>& segs, int64_t impl) {
   int64_t T = 0;
   for (Seg& s : segs) s.t0 = T, T += s.ntiles;

@@ -6,8 +6,8 @@
 // fp32 each), with the same fp32 sequence per output element (mul then add, block order) and the same exact
 // integer block sums. AVX2 has no u8·s8 → s32 dot: maddubs gives s16 pair sums, added in s16 only as far as
 // they cannot saturate (4-bit codes: all 8 groups, 8·2·15·127 < 2^15; 5-bit: 4 groups; 6-bit: 2), then widened
-// to s32 by madd. 8-bit codes (stored + 128) would saturate a pair (2·255·127): they run signed, |w|·sign(q_a, w), whose pairs
-// stay ≤ 2·128·127, and Σ (u − 128)·q_a is the AVX-512 path's Σ u·q_a − 128·Σ q_a.
+// to s32 by madd. 8-bit codes (stored + 128) would saturate a pair (2·255·127): they run signed,
+// |w|·sign(q_a, w), whose pairs stay ≤ 2·128·127, and Σ (u − 128)·q_a is the AVX-512 path's Σ u·q_a − 128·Σ q_a.
 #include "quant_gemm.h"
 
 #include <algorithm>

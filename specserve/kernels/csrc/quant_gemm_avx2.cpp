@@ -19,7 +19,7 @@ namespace {
 #if defined(__x86_64__)
 #define AVX2_TARGET __attribute__((target("avx2,f16c")))
 
-constexpr int64_t MR = 4;        // rows sharing one pass over a weight tile (two fp32 halves each: 8 ymm)
+constexpr int64_t MR = 4;        // rows sharing a weight tile's codes (rows_avx2: how they take its halves)
 constexpr int64_t PF_TILES = 4;  // software prefetch distance in column tiles, as the AVX-512 paths
 constexpr float TINY = 0x1p-100f;  // quant_gemm.cpp's zero-block threshold
 
@@ -42,9 +42,9 @@ AVX2_TARGET inline int32_t hsum(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-// Group g's codes (k = 4g..4g+3) of columns 8h..8h+7 of one block, as unsigned bytes (8-bit: signed, code − 128).
 AVX2_TARGET inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// Group g's codes (k = 4g..4g+3) of columns 8h..8h+7 of one block, as unsigned bytes (8-bit: signed, code − 128).
 template <int BITS>
 AVX2_TARGET inline void decode_half(const uint8_t* blk, int h, __m256i* w) {
   blk += 32 * h;
